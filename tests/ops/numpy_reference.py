@@ -1,0 +1,228 @@
+"""Independent NumPy reference for AdaComp (ALGORITHMS.md section 1) and its wire format.
+
+Written from the maths and the documented contract only; nothing here imports
+tf_adacomp. bfloat16 values are handled with ml_dtypes (a TensorFlow dependency).
+
+Contract implemented:
+- compute dtype float32, or float64 if grad or residue is float64;
+  G = float(residue) + float(grad); H = G + float(grad)
+- bins of ``bin_size`` consecutive elements of the flat G (last may be short);
+  gmax[b] = max |G| in bin b; scale = mean(gmax), rounded to float32
+- selected = (|H| >= gmax[bin(i)]) & (G != 0)
+- capacity C = 0 if n == 0 else max(1, min(n, ceil(max_density * n))); if more than C are
+  selected, the first C in the order of the key (i % B, i // B), B = ceil(n / 32), are kept
+- Q_i = sign(G_i) * scale for kept i, else 0; new_residue = G - Q in the residue dtype
+- non-finite G: nothing kept, residue unchanged, scale word NaN
+- payload: [count, float32 bits of scale, bits, codes packed little-endian], code =
+  position << 1 | (G < 0), bits = (max(n - 1, 0)).bit_length() + 1
+"""
+
+import dataclasses
+import math
+
+import ml_dtypes
+import numpy as np
+
+HEADER_WORDS = 3
+
+
+def index_bits(n: int) -> int:
+  return max(n - 1, 0).bit_length()
+
+
+def code_bits(n: int) -> int:
+  return index_bits(n) + 1
+
+
+def capacity(n: int, max_density: float) -> int:
+  if n == 0:
+    return 0
+  return max(1, min(n, math.ceil(max_density * n)))
+
+
+def payload_words(n: int, max_density: float = 1.0) -> int:
+  return HEADER_WORDS + (capacity(n, max_density) * code_bits(n) + 31) // 32
+
+
+def nbytes_for(count: int, n: int) -> int:
+  return 4 * (HEADER_WORDS + -(-(count * code_bits(n)) // 32))
+
+
+def compute_dtype(grad_dtype, residue_dtype):
+  if np.dtype(grad_dtype) == np.float64 or np.dtype(residue_dtype) == np.float64:
+    return np.float64
+  return np.float32
+
+
+def cast(x, dtype):
+  """Casts an array to a NumPy dtype (including ml_dtypes.bfloat16), round to nearest."""
+  return np.asarray(x).astype(dtype)
+
+
+def column_order_key(n: int) -> np.ndarray:
+  """Rank of each flat position in the cap ordering (i % B, i // B), B = ceil(n / 32)."""
+  if n == 0:
+    return np.zeros([0], np.int64)
+  b = -(-n // 32)
+  i = np.arange(n, dtype=np.int64)
+  # Lexicographic (i % B, i // B); i // B < 32 * ... fits easily in the product.
+  return (i % b) * (n + 1) + (i // b)
+
+
+def exact_mean_f32(values: np.ndarray) -> np.float32:
+  """Mean computed with (near-)exact float64 / fsum accumulation, rounded to float32."""
+  if values.size == 0:
+    return np.float32(0.0)
+  return np.float32(math.fsum(values.astype(np.float64).tolist()) / values.size)
+
+
+@dataclasses.dataclass
+class Result:
+  g: np.ndarray          # flat G in the compute dtype
+  h: np.ndarray          # flat H in the compute dtype
+  gmax: np.ndarray       # per-bin max |G|
+  selected: np.ndarray   # bool [n], before the cap
+  kept: np.ndarray       # bool [n], after the cap
+  scale: np.float32      # the float32 scale (NaN if G is not finite)
+  q: np.ndarray          # flat Q in the compute dtype
+  new_residue: np.ndarray  # residue dtype and shape
+  count: int
+  bits: int
+  finite: bool
+
+  def pairs(self):
+    """Set of (position, negative) of the kept elements."""
+    pos = np.nonzero(self.kept)[0]
+    return {(int(p), bool(self.g[p] < 0)) for p in pos}
+
+
+def reference_compress(grad, residue, bin_size: int, max_density: float = 1.0,
+                       scale=None) -> Result:
+  """Reference compress.
+
+  Args:
+    grad, residue: NumPy arrays (any float dtype, bfloat16 via ml_dtypes).
+    scale: optional float32 scale to use instead of the computed one (to check the
+      residue exactly against an implementation whose mean differs by an ulp).
+  """
+  grad = np.asarray(grad)
+  residue = np.asarray(residue)
+  assert grad.shape == residue.shape
+  cd = compute_dtype(grad.dtype, residue.dtype)
+  n = grad.size
+  dw = grad.reshape(-1).astype(cd)  # exact: every float dtype here widens exactly
+  r = residue.reshape(-1).astype(cd)
+  with np.errstate(over="ignore", invalid="ignore"):
+    g = (r + dw).astype(cd)
+    h = (g + dw).astype(cd)
+  finite = bool(np.all(np.isfinite(g)))
+  bins = -(-n // bin_size)
+  absg = np.abs(g)
+  gmax = np.array([absg[b * bin_size:(b + 1) * bin_size].max() for b in range(bins)], cd)
+  if scale is None:
+    scale = exact_mean_f32(gmax) if finite else np.float32(np.nan)
+  scale = np.float32(scale)
+  if not finite:
+    kept = np.zeros([n], bool)
+    return Result(g, h, gmax, kept.copy(), kept, np.float32(np.nan), np.zeros([n], cd),
+                  residue.copy(), 0, code_bits(n), False)
+  threshold = np.repeat(gmax, bin_size)[:n] if n else np.zeros([0], cd)
+  with np.errstate(invalid="ignore"):
+    selected = (np.abs(h) >= threshold) & (g != 0)
+  cap = capacity(n, max_density)
+  kept = selected.copy()
+  if selected.sum() > cap:
+    idx = np.nonzero(selected)[0]
+    order = idx[np.argsort(column_order_key(n)[idx], kind="stable")]
+    kept = np.zeros([n], bool)
+    kept[order[:cap]] = True
+  s = cd(scale)
+  q = np.where(kept, np.where(g < 0, -s, s), cd(0)).astype(cd)
+  with np.errstate(over="ignore", invalid="ignore"):
+    new_residue = cast((g - q).astype(cd), residue.dtype).reshape(residue.shape)
+  return Result(g, h, gmax, selected, kept, scale, q, new_residue, int(kept.sum()),
+                code_bits(n), True)
+
+
+def pack_codes(codes, bits: int) -> np.ndarray:
+  """Packs codes little-endian into uint32 words (reference packer, bit by bit)."""
+  codes = np.asarray(codes, np.uint64)
+  total = len(codes) * bits
+  stream = np.zeros([(total + 31) // 32 * 32], np.uint8)
+  for j, c in enumerate(codes):
+    for k in range(bits):
+      stream[j * bits + k] = (int(c) >> k) & 1
+  if stream.size == 0:
+    return np.zeros([0], np.uint32)
+  return np.packbits(stream, bitorder="little").view("<u4").astype(np.uint32)
+
+
+@dataclasses.dataclass
+class Decoded:
+  count: int
+  scale: np.float32
+  bits: int
+  pairs: set   # {(position, negative)}
+  positions: list  # in payload order
+
+
+def unpack_payload(payload, n: int) -> Decoded:
+  """Independent unpacker of one payload row (int32 words)."""
+  words = np.asarray(payload).astype(np.int32).reshape(-1)
+  assert words.size >= HEADER_WORDS
+  count = int(words[0])
+  scale = words[1:2].view(np.float32)[0]
+  bits = int(words[2])
+  body = words[HEADER_WORDS:].astype("<i4").view("<u4")
+  stream = np.unpackbits(body.view(np.uint8), bitorder="little")
+  assert count * bits <= stream.size, (count, bits, stream.size)
+  pairs = set()
+  positions = []
+  weights = 1 << np.arange(bits, dtype=np.uint64)
+  for j in range(count):
+    chunk = stream[j * bits:(j + 1) * bits].astype(np.uint64)
+    code = int((chunk * weights).sum())
+    pos, neg = code >> 1, bool(code & 1)
+    positions.append(pos)
+    pairs.add((pos, neg))
+  return Decoded(count, np.float32(scale), bits, pairs, positions)
+
+
+def dense_from_pairs(pairs, scale, n: int, dtype=np.float32) -> np.ndarray:
+  out = np.zeros([n], dtype)
+  s = dtype(scale)
+  for p, neg in pairs:
+    out[p] = -s if neg else s
+  return out
+
+
+def reference_decode_rows(rows, n: int, dtype=np.float32) -> np.ndarray:
+  """Sum over rows (in row order) of each row's Q, in ``dtype``; all-NaN if any row's
+  scale is not finite."""
+  acc = np.zeros([n], dtype)
+  for row in rows:
+    d = unpack_payload(row, n)
+    if not np.isfinite(d.scale):
+      acc = acc + dtype(np.nan)
+      continue
+    acc = (acc + dense_from_pairs(d.pairs, d.scale, n, dtype)).astype(dtype)
+  return acc
+
+
+def pad_rows(rows) -> np.ndarray:
+  """Stacks 1-D int32 payloads zero-padded to the longest."""
+  width = max(len(r) for r in rows)
+  out = np.zeros([len(rows), width], np.int32)
+  for i, r in enumerate(rows):
+    out[i, :len(r)] = r
+  return out
+
+
+def ulp_diff_f32(a, b) -> int:
+  """Distance in float32 ulps between two finite float32 numbers of the same sign."""
+  ai = np.array([a], np.float32).view(np.int32)[0]
+  bi = np.array([b], np.float32).view(np.int32)[0]
+  return abs(int(ai) - int(bi))
+
+
+BFLOAT16 = ml_dtypes.bfloat16

@@ -1,0 +1,662 @@
+"""Tests of the AdaComp kernels (tf_adacomp.ops) against an independent NumPy reference.
+
+The reference (numpy_reference.py) is written from ALGORITHMS.md section 1 and the wire
+format contract; it shares no code with tf_adacomp. Payload codes are compared as a SET of
+(position, sign) pairs: their order in the payload is not part of the contract.
+"""
+
+import math
+import zlib
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import numpy_reference as ref
+from tf_adacomp.ops import adacomp_compress
+from tf_adacomp.ops import adacomp_decompress
+from tf_adacomp.ops import payload_nbytes
+from tf_adacomp.ops import payload_words
+
+NP_DTYPES = {
+    "float16": np.float16,
+    "bfloat16": ref.BFLOAT16,
+    "float32": np.float32,
+    "float64": np.float64,
+}
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def random_array(shape, dtype, rng, scale=1.0, zero_fraction=0.05):
+  """Random normal values in ``dtype`` (a NumPy dtype), with a few exact zeros."""
+  x = rng.standard_normal(shape).astype(np.float64) * scale
+  if x.size:
+    zeros = rng.random(shape) < zero_fraction
+    x = np.where(zeros, 0.0, x)
+  return np.asarray(x).astype(dtype)
+
+
+def as_f32(x):
+  return np.asarray(x).astype(np.float32)
+
+
+def bits_of(x):
+  """Raw bits of an array, for bit-identity checks (NaN payloads included)."""
+  x = np.ascontiguousarray(np.asarray(x))
+  return x.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[x.dtype.itemsize])
+
+
+def decode_dtype_for(grad_np, residue_np):
+  cd = ref.compute_dtype(grad_np.dtype, residue_np.dtype)
+  return tf.float64 if cd == np.float64 else tf.float32
+
+
+def compress_np(grad_np, residue_np, bin_size, max_density=1.0):
+  payload, new_residue = adacomp_compress(
+      tf.constant(grad_np), tf.constant(residue_np), bin_size, max_density)
+  return payload, new_residue
+
+
+def assert_scale_close(got, exact, bins, compute_dtype):
+  got, exact = np.float32(got), np.float32(exact)
+  if ref.ulp_diff_f32(got, exact) <= 1:
+    return
+  assert compute_dtype == np.float32, (got, exact, "float64 compute must round once")
+  bound = (bins + 1) * 2.0**-24 * float(exact)
+  assert abs(float(got) - float(exact)) <= bound, (got, exact, bins)
+
+
+def check_against_reference(grad_np, residue_np, bin_size, max_density=1.0):
+  """Compresses with the kernel and checks everything against the reference.
+
+  Returns (payload numpy, new_residue numpy, reference Result, decoded payload).
+  """
+  n = grad_np.size
+  shape = grad_np.shape
+  payload, new_residue = compress_np(grad_np, residue_np, bin_size, max_density)
+
+  # Static types and shapes.
+  assert payload.dtype == tf.int32
+  assert payload.shape.rank == 1
+  assert payload.shape[0] == payload_words(n, max_density) == ref.payload_words(n, max_density)
+  assert new_residue.dtype == tf.as_dtype(residue_np.dtype)
+  assert tuple(new_residue.shape) == tuple(residue_np.shape)
+
+  p = payload.numpy()
+  r = reference = ref.reference_compress(grad_np, residue_np, bin_size, max_density)
+  dec = ref.unpack_payload(p, n)
+
+  # Header.
+  assert dec.count == r.count, (dec.count, r.count)
+  assert dec.bits == r.bits == ref.code_bits(n)
+  # Selected set: positions unique, in range, and exactly the reference's (with signs).
+  assert len(set(dec.positions)) == dec.count, "duplicate positions in payload"
+  assert all(0 <= q < n for q in dec.positions)
+  assert dec.pairs == r.pairs(), (
+      f"missing={sorted(r.pairs() - dec.pairs)[:10]} extra={sorted(dec.pairs - r.pairs())[:10]}")
+
+  # Scale: the float32 mean of the bin maxima. The reference is the exactly rounded mean;
+  # an implementation that sums in float32 (in any order) is within the classic summation
+  # bound (bins + 1) * u of it (all terms are >= 0), and never more than that; in float64
+  # it is within 1 ulp (the final rounding).
+  if n:
+    assert np.isfinite(dec.scale)
+    assert_scale_close(dec.scale, r.scale, len(r.gmax), r.g.dtype)
+
+  # Residue: exactly G - Q with the scale that was sent, in the residue dtype.
+  r_exact = ref.reference_compress(grad_np, residue_np, bin_size, max_density, scale=dec.scale)
+  np.testing.assert_array_equal(as_f32(new_residue.numpy()) if residue_np.dtype != np.float64
+                                else new_residue.numpy(),
+                                as_f32(r_exact.new_residue) if residue_np.dtype != np.float64
+                                else r_exact.new_residue)
+
+  # Byte accounting.
+  nb = payload_nbytes(payload)
+  assert nb.dtype == tf.int64 and nb.shape.rank == 0
+  assert int(nb) == 4 * (3 + math.ceil(dec.count * dec.bits / 32)) == ref.nbytes_for(r.count, n)
+
+  # Decode: exactly +-scale at the sent positions, in the compute dtype.
+  out_dtype = decode_dtype_for(grad_np, residue_np)
+  dense = adacomp_decompress(payload, shape, out_dtype)
+  assert dense.dtype == out_dtype and tuple(dense.shape) == tuple(shape)
+  want = ref.dense_from_pairs(dec.pairs, dec.scale, n, out_dtype.as_numpy_dtype)
+  np.testing.assert_array_equal(dense.numpy().reshape(-1), want)
+
+  # Only the first payload_nbytes bytes matter: the truncated payload decodes the same.
+  used = int(nb) // 4
+  dense_short = adacomp_decompress(p[:used], shape, out_dtype)
+  np.testing.assert_array_equal(dense_short.numpy(), dense.numpy())
+  return p, new_residue.numpy(), reference, dec
+
+
+# ------------------------------------------------------------- reference self-checks
+
+
+def test_reference_unpacker_roundtrip():
+  """The reference unpacker reads what the (bit-by-bit) reference packer writes."""
+  rng = np.random.default_rng(0)
+  for n, count in [(1, 1), (2, 2), (33, 10), (1000, 77), (4096, 300)]:
+    bits = ref.code_bits(n)
+    pos = rng.choice(n, count, replace=False)
+    neg = rng.random(count) < 0.5
+    codes = (pos.astype(np.uint64) << 1) | neg.astype(np.uint64)
+    body = ref.pack_codes(codes, bits)
+    payload = np.concatenate([[count, np.float32(1.5).view(np.int32), bits],
+                              body.view(np.int32)]).astype(np.int32)
+    d = ref.unpack_payload(payload, n)
+    assert d.positions == [int(x) for x in pos]
+    assert d.pairs == {(int(a), bool(b)) for a, b in zip(pos, neg)}
+    assert d.scale == np.float32(1.5)
+
+
+def test_reference_column_order():
+  # n = 70 -> B = 3; the [32, 3] layout read column by column: 0, 3, 6, ..., 1, 4, ...
+  key = ref.column_order_key(70)
+  order = list(np.argsort(key, kind="stable"))
+  assert order[:4] == [0, 3, 6, 9]
+  assert order[23] == 69 and order[24] == 1
+
+
+# ------------------------------------------------------------ 1. against reference
+
+SHAPES = [[], [1], [7], [50], [51], [3, 4, 5], [64, 33], [3, 3, 16, 32], [1000], [0], [0, 5]]
+BIN_SIZES = [1, 7, 50, 500]
+
+
+@pytest.mark.parametrize("bin_size", BIN_SIZES)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_matches_reference_float32(shape, bin_size):
+  rng = np.random.default_rng(1000 + len(shape) * 100 + bin_size + int(np.prod(shape)))
+  grad = random_array(shape, np.float32, rng)
+  residue = random_array(shape, np.float32, rng, scale=0.5)
+  check_against_reference(grad, residue, bin_size)
+
+
+DTYPE_PAIRS = [
+    # (grad dtype, residue dtype)
+    ("float16", "float32"),
+    ("bfloat16", "float32"),
+    ("float64", "float32"),
+    ("float32", "float16"),
+    ("float16", "float16"),
+    ("bfloat16", "bfloat16"),
+    ("float64", "float64"),
+    ("float32", "float64"),
+]
+
+
+@pytest.mark.parametrize("shape", [[3, 4, 5], [1000]], ids=str)
+@pytest.mark.parametrize("grad_dtype,residue_dtype", DTYPE_PAIRS)
+def test_matches_reference_dtypes(grad_dtype, residue_dtype, shape):
+  rng = np.random.default_rng(zlib.crc32(f"{grad_dtype}-{residue_dtype}-{shape}".encode()))
+  grad = random_array(shape, NP_DTYPES[grad_dtype], rng)
+  residue = random_array(shape, NP_DTYPES[residue_dtype], rng, scale=0.5)
+  if residue_dtype in ("float32", "float64") and grad.size:
+    # A few elements where residue == -grad exactly, so G == 0 (must not be sent).
+    idx = rng.choice(grad.size, max(1, grad.size // 20), replace=False)
+    flat = residue.reshape(-1)
+    flat[idx] = -grad.reshape(-1)[idx].astype(flat.dtype)
+  check_against_reference(grad, residue, 50)
+
+
+@pytest.mark.parametrize("grad_dtype", ["float16", "bfloat16"])
+def test_decode_in_low_precision_dtype(grad_dtype):
+  """Decoding into the grad's own dtype gives +-scale rounded to that dtype."""
+  rng = np.random.default_rng(7)
+  grad = random_array([3, 4, 5], NP_DTYPES[grad_dtype], rng)
+  residue = np.zeros([3, 4, 5], np.float32)
+  payload, _ = compress_np(grad, residue, 7)
+  dec = ref.unpack_payload(payload.numpy(), grad.size)
+  dense = adacomp_decompress(payload, [3, 4, 5], tf.as_dtype(grad_dtype))
+  assert dense.dtype == tf.as_dtype(grad_dtype)
+  want = ref.dense_from_pairs(dec.pairs, dec.scale, grad.size, np.float32)
+  want = want.astype(NP_DTYPES[grad_dtype]).astype(np.float32)
+  np.testing.assert_array_equal(as_f32(dense.numpy()).reshape(-1), want)
+
+
+def test_large_tensor_many_bins_scale():
+  """A 1000-bin mean: scale within 1 ulp of the exact mean."""
+  rng = np.random.default_rng(11)
+  grad = random_array([50000], np.float32, rng)
+  check_against_reference(grad, np.zeros_like(grad), 50)
+
+
+# ------------------------------------------------------------------------ 2. edge cases
+
+
+@pytest.mark.parametrize("shape,bin_size", [([7], 7), ([50], 7), ([51], 50), ([64, 33], 500)],
+                         ids=str)
+def test_all_equal_elements_are_all_sent(shape, bin_size):
+  grad = np.full(shape, 0.375, np.float32)
+  residue = np.zeros(shape, np.float32)
+  p, new_residue, r, dec = check_against_reference(grad, residue, bin_size)
+  n = grad.size
+  assert dec.count == n
+  assert dec.pairs == {(i, False) for i in range(n)}
+  assert dec.scale == np.float32(0.375)
+  np.testing.assert_array_equal(new_residue, np.zeros(shape, np.float32))
+
+
+@pytest.mark.parametrize("shape,bin_size", [([7], 7), ([50], 7), ([51], 50)], ids=str)
+def test_all_equal_negative_with_residue(shape, bin_size):
+  grad = np.full(shape, -0.25, np.float32)
+  residue = np.full(shape, -0.5, np.float32)
+  _, new_residue, _, dec = check_against_reference(grad, residue, bin_size)
+  assert dec.count == grad.size
+  assert all(neg for _, neg in dec.pairs)
+  assert dec.scale == np.float32(0.75)
+  np.testing.assert_array_equal(new_residue, np.zeros(shape, np.float32))
+
+
+def test_ties_at_bin_max_with_zero_grad():
+  """With dW == 0, H == G: exactly the elements whose |G| equals the bin max are sent
+  (>= comparison), including ties and both signs."""
+  residue = np.array([1.0, -1.0, 0.5, 1.0, 0.0, -0.25, 0.25,   # bin 0: max 1 (x3)
+                      0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,        # bin 1: all zero
+                      -2.0, 2.0, -2.0, 1.0, 0.0, 0.0, 0.0,      # bin 2: max 2 (x3)
+                      0.125, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,      # bin 3: single
+                      ], np.float32)[:28]
+  residue = np.pad(residue, [0, 50 - residue.size])  # bins 4-7 all zero (last short: 1)
+  grad = np.zeros_like(residue)
+  _, _, r, dec = check_against_reference(grad, residue, 7)
+  assert dec.pairs == {(0, False), (1, True), (3, False), (14, True), (15, False), (16, True),
+                       (21, False)}
+  # scale = mean over all 8 bins of gmax = (1 + 0 + 2 + 0.125 + 0 * 4) / 8
+  assert dec.scale == np.float32(3.125 / 8)
+
+
+def test_opposing_gradient_selects_nothing_in_bin():
+  """dW opposing G at the bin maximum: |H| < gmax, so a bin may send nothing."""
+  residue = np.array([1.0, 0.1, 0.1, 0.1], np.float32)
+  grad = np.array([-0.5, 0.0, 0.0, 0.0], np.float32)  # G = [0.5, .1, .1, .1], H = [0, ...]
+  _, new_residue, _, dec = check_against_reference(grad, residue, 4)
+  assert dec.count == 0
+  np.testing.assert_array_equal(new_residue, np.array([0.5, 0.1, 0.1, 0.1], np.float32))
+
+
+@pytest.mark.parametrize("shape", [[7], [64, 33], [3, 3, 16, 32]], ids=str)
+def test_all_zeros(shape):
+  z = np.zeros(shape, np.float32)
+  payload, new_residue = compress_np(z, z, 50)
+  p = payload.numpy()
+  assert p[0] == 0
+  assert p[1:2].view(np.float32)[0] == 0.0
+  assert int(payload_nbytes(payload)) == 12
+  np.testing.assert_array_equal(new_residue.numpy(), z)
+  np.testing.assert_array_equal(adacomp_decompress(payload, shape).numpy(), z)
+
+
+@pytest.mark.parametrize("shape", [[], [1]], ids=str)
+@pytest.mark.parametrize("value", [1.5, -3.0, 0.0])
+def test_one_element(shape, value):
+  grad = np.full(shape, value, np.float32)
+  residue = np.zeros(shape, np.float32)
+  p, new_residue, _, dec = check_against_reference(grad, residue, 1)
+  assert len(p) == 3 + 1  # bits = 1, one code
+  assert dec.bits == 1
+  if value == 0.0:
+    assert dec.count == 0
+  else:
+    assert dec.pairs == {(0, value < 0)}
+    assert dec.scale == np.float32(abs(value))
+    np.testing.assert_array_equal(new_residue, np.zeros(shape, np.float32))
+
+
+@pytest.mark.parametrize("shape", [[0], [0, 5]], ids=str)
+def test_zero_elements(shape):
+  z = np.zeros(shape, np.float32)
+  payload, new_residue = compress_np(z, z, 7)
+  assert payload.shape == [3] and payload_words(0) == 3
+  p = payload.numpy()
+  assert p[0] == 0 and p[2] == 1
+  assert tuple(new_residue.shape) == tuple(shape)
+  assert int(payload_nbytes(payload)) == 12
+  out = adacomp_decompress(payload, shape)
+  assert tuple(out.shape) == tuple(shape)
+
+
+# ------------------------------------------------------------ 3. error-feedback invariant
+
+
+def assert_invariant(dense, new_residue, grad, residue, scale):
+  """decompress(payload) + new_residue == grad + residue, to rounding."""
+  cd = ref.compute_dtype(grad.dtype, residue.dtype)
+  lhs = dense.astype(cd).reshape(-1) + new_residue.astype(cd).reshape(-1)
+  rhs = grad.astype(cd).reshape(-1) + residue.astype(cd).reshape(-1)
+  eps = np.finfo(new_residue.dtype if new_residue.dtype != ref.BFLOAT16 else np.float32).eps
+  if new_residue.dtype == ref.BFLOAT16:
+    eps = 2.0**-8
+  mag = np.abs(rhs) + np.float64(scale)
+  np.testing.assert_array_less(np.abs(lhs - rhs), 2 * eps * mag + 1e-30)
+
+
+@pytest.mark.parametrize("shape,bin_size,grad_dtype,max_density", [
+    ([64, 33], 50, "float32", 1.0),
+    ([1000], 500, "float32", 1.0),
+    ([3, 4, 5], 7, "bfloat16", 1.0),
+    ([1000], 50, "float16", 1.0),
+    ([64, 33], 50, "float32", 0.02),
+], ids=str)
+def test_error_feedback_over_steps(shape, bin_size, grad_dtype, max_density):
+  rng = np.random.default_rng(42)
+  residue = np.zeros(shape, np.float32)
+  for step in range(5):
+    grad = random_array(shape, NP_DTYPES[grad_dtype], rng, scale=0.1 * (step + 1))
+    p, new_residue, r, dec = check_against_reference(grad, residue, bin_size, max_density)
+    dense = adacomp_decompress(p, shape).numpy()
+    assert_invariant(dense, new_residue, grad, residue, dec.scale)
+    residue = new_residue
+
+
+# ---------------------------------------------------------------------------- 4. capacity
+
+
+@pytest.mark.parametrize("shape,max_density", [
+    ([50], 0.3),         # B = 2
+    ([1000], 0.01),      # B = 32, C = 10
+    ([1000], 0.25),
+    ([64, 33], 0.1),     # n = 2112, B = 66
+    ([3, 3, 16, 32], 0.05),  # n = 4608, B = 144
+], ids=str)
+def test_capacity_keeps_column_order_prefix(shape, max_density):
+  rng = np.random.default_rng(5)
+  grad = random_array(shape, np.float32, rng)
+  residue = np.zeros(shape, np.float32)  # bin 1: H = 2G, every nonzero element selected
+  n = grad.size
+  cap = ref.capacity(n, max_density)
+  payload, new_residue = compress_np(grad, residue, 1, max_density)
+  assert payload.shape[0] == payload_words(n, max_density) == ref.payload_words(n, max_density)
+  dec = ref.unpack_payload(payload.numpy(), n)
+  selected = np.nonzero(grad.reshape(-1) != 0)[0]
+  assert selected.size > cap
+  assert dec.count == cap
+  want = sorted(selected, key=lambda i: (i % -(-n // 32), i // -(-n // 32)))[:cap]
+  got = {p for p, _ in dec.pairs}
+  flat_order = set(int(i) for i in selected[:cap])
+  assert got == set(int(i) for i in want), (
+      "kept set is the flat-order prefix (old ordering)" if got == flat_order
+      else "kept set follows neither the column order nor the flat order")
+  # Full reference check (residue keeps what was dropped) and the invariant.
+  p, new_res, r, dec = check_against_reference(grad, residue, 1, max_density)
+  dropped = r.selected & ~r.kept
+  assert dropped.sum() == selected.size - cap
+  np.testing.assert_array_equal(new_res.reshape(-1)[dropped], grad.reshape(-1)[dropped])
+  dense = adacomp_decompress(p, shape).numpy()
+  assert_invariant(dense, new_res, grad, residue, dec.scale)
+
+
+def test_capacity_not_reached_sends_all():
+  rng = np.random.default_rng(6)
+  grad = random_array([1000], np.float32, rng)
+  residue = random_array([1000], np.float32, rng)
+  _, _, r, dec = check_against_reference(grad, residue, 500, 0.5)
+  assert r.selected.sum() < ref.capacity(1000, 0.5)
+  assert dec.count == r.selected.sum()
+
+
+def test_capacity_minimum_one():
+  grad = np.arange(1, 51, dtype=np.float32)
+  _, _, r, dec = check_against_reference(grad, np.zeros_like(grad), 1, 1e-6)
+  assert dec.count == 1 and dec.pairs == {(0, False)}
+
+
+# ------------------------------------------------------------------- 5. size accounting
+
+
+@pytest.mark.parametrize("n,max_density", [(0, 1.0), (1, 1.0), (2, 1.0), (7, 1.0), (50, 1.0),
+                                           (1000, 1.0), (1000, 0.01), (2112, 0.1),
+                                           (4608, 0.05), (1 << 20, 0.001), (1, 0.5)])
+def test_payload_words_formula(n, max_density):
+  assert payload_words(n, max_density) == ref.payload_words(n, max_density)
+  assert payload_words(n) == ref.payload_words(n)
+
+
+def test_nbytes_rank2_per_row():
+  rng = np.random.default_rng(8)
+  rows, counts = [], []
+  for k, density in enumerate([0.0, 0.3, 1.0]):
+    grad = random_array([1000], np.float32, rng, zero_fraction=1.0 - density)
+    payload, _ = compress_np(grad, np.zeros_like(grad), 1)
+    rows.append(payload.numpy())
+    counts.append(int(payload.numpy()[0]))
+  gathered = np.stack(rows)
+  nb = payload_nbytes(tf.constant(gathered))
+  assert nb.dtype == tf.int64 and nb.shape == [3]
+  bits = ref.code_bits(1000)
+  assert list(nb.numpy()) == [4 * (3 + math.ceil(c * bits / 32)) for c in counts]
+  assert len(set(counts)) == 3
+  for row in rows:
+    assert int(payload_nbytes(tf.constant(row))) == ref.nbytes_for(int(row[0]), 1000)
+
+
+# ---------------------------------------------------------- 6. eager / graph / XLA wrapper
+
+
+@pytest.mark.parametrize("shape,bin_size,max_density,grad_dtype", [
+    ([64, 33], 50, 1.0, "float32"),
+    ([1000], 7, 0.05, "bfloat16"),
+], ids=str)
+def test_eager_function_and_jit_agree(shape, bin_size, max_density, grad_dtype):
+  rng = np.random.default_rng(9)
+  grad = tf.constant(random_array(shape, NP_DTYPES[grad_dtype], rng))
+  residue = tf.constant(random_array(shape, np.float32, rng))
+
+  def step(g, r):
+    payload, new_residue = adacomp_compress(g, r, bin_size, max_density)
+    return payload, new_residue, adacomp_decompress(payload, shape), payload_nbytes(payload)
+
+  results = [step(grad, residue),
+             tf.function(step)(grad, residue),
+             tf.function(step, jit_compile=True)(grad, residue)]
+  base = [bits_of(x.numpy()) for x in results[0]]
+  for other in results[1:]:
+    for a, b in zip(base, other):
+      np.testing.assert_array_equal(a, bits_of(b.numpy()))
+  # And the eager result is the reference's.
+  check_against_reference(grad.numpy(), residue.numpy(), bin_size, max_density)
+
+
+# ------------------------------------------------------------------- 7. gathered decode
+
+
+def three_replicas(shape, rng, densities=(0.02, 0.5, 1.0), bin_size=50, max_density=1.0):
+  payloads, refs = [], []
+  for d in densities:
+    grad = random_array(shape, np.float32, rng, zero_fraction=1.0 - d)
+    residue = random_array(shape, np.float32, rng, scale=0.3, zero_fraction=1.0 - d)
+    payload, _ = compress_np(grad, residue, bin_size, max_density)
+    payloads.append(payload.numpy())
+    refs.append(ref.reference_compress(grad, residue, bin_size, max_density,
+                                       scale=ref.unpack_payload(payload.numpy(),
+                                                                grad.size).scale))
+  return payloads, refs
+
+
+@pytest.mark.parametrize("trim", [True, False], ids=["trimmed", "full"])
+def test_gathered_decode_three_replicas(trim):
+  shape = [64, 33]
+  n = 64 * 33
+  rng = np.random.default_rng(10)
+  payloads, refs = three_replicas(shape, rng)
+  counts = [int(p[0]) for p in payloads]
+  assert len(set(counts)) == 3, counts
+  if trim:
+    rows = [p[:int(payload_nbytes(tf.constant(p))) // 4] for p in payloads]
+    assert len({len(r) for r in rows}) == 3
+  else:
+    rows = payloads
+  gathered = ref.pad_rows(rows)
+  out1 = adacomp_decompress(tf.constant(gathered), shape).numpy()
+  out2 = adacomp_decompress(tf.constant(gathered), shape).numpy()
+  np.testing.assert_array_equal(bits_of(out1), bits_of(out2))
+
+  # Sum in row order, in float32: ((0 + q0) + q1) + q2.
+  qs = [r.q.astype(np.float32) for r in refs]
+  want = ((np.zeros(n, np.float32) + qs[0]) + qs[1]) + qs[2]
+  np.testing.assert_array_equal(out1.reshape(-1), want)
+  np.testing.assert_array_equal(out1.reshape(-1), ref.reference_decode_rows(gathered, n))
+  # Each row's contribution is exactly +-scale_r at its positions.
+  singles = [adacomp_decompress(tf.constant(p), shape).numpy().reshape(-1) for p in payloads]
+  for s, r in zip(singles, refs):
+    np.testing.assert_array_equal(s, r.q.astype(np.float32))
+  np.testing.assert_array_equal(out1.reshape(-1), (singles[0] + singles[1]) + singles[2])
+
+
+def test_gathered_decode_row_order_matters_only_by_rounding():
+  """Rows in another order: same values to rounding, and each order reproduces exactly
+  its own sequential float32 sum."""
+  shape = [1000]
+  rng = np.random.default_rng(12)
+  payloads, refs = three_replicas(shape, rng, bin_size=7)
+  for order in ([0, 1, 2], [2, 0, 1]):
+    gathered = ref.pad_rows([payloads[i] for i in order])
+    out = adacomp_decompress(tf.constant(gathered), shape).numpy()
+    acc = np.zeros(1000, np.float32)
+    for i in order:
+      acc = acc + refs[i].q.astype(np.float32)
+    np.testing.assert_array_equal(out, acc)
+
+
+def test_gathered_single_row_matches_rank1():
+  rng = np.random.default_rng(13)
+  grad = random_array([3, 4, 5], np.float32, rng)
+  payload, _ = compress_np(grad, np.zeros_like(grad), 7)
+  a = adacomp_decompress(payload, [3, 4, 5]).numpy()
+  b = adacomp_decompress(tf.constant(payload.numpy()[None]), [3, 4, 5]).numpy()
+  np.testing.assert_array_equal(bits_of(a), bits_of(b))
+
+
+# ---------------------------------------------------------------------- 8. non-finite
+
+
+def _nonfinite_case(kind, rng):
+  grad = random_array([7, 9], np.float32, rng)
+  residue = random_array([7, 9], np.float32, rng, scale=0.5)
+  if kind == "nan":
+    grad[3, 4] = np.nan
+  elif kind == "inf":
+    grad[0, 0] = np.inf
+  elif kind == "-inf":
+    grad[6, 8] = -np.inf
+  elif kind == "residue_nan":
+    residue[2, 2] = np.nan
+  elif kind == "overflow":  # finite inputs, G = grad + residue overflows float32
+    grad[1, 1] = 3e38
+    residue[1, 1] = 3e38
+  return grad, residue
+
+
+@pytest.mark.parametrize("kind", ["nan", "inf", "-inf", "residue_nan", "overflow"])
+def test_nonfinite_input(kind):
+  rng = np.random.default_rng(14)
+  grad, residue = _nonfinite_case(kind, rng)
+  payload, new_residue = compress_np(grad, residue, 7)
+  p = payload.numpy()
+  assert p[0] == 0
+  assert np.isnan(p[1:2].view(np.float32)[0])
+  np.testing.assert_array_equal(bits_of(new_residue.numpy()), bits_of(residue))
+  out = adacomp_decompress(payload, [7, 9]).numpy()
+  assert np.all(np.isnan(out))
+  # Also through the reference.
+  r = ref.reference_compress(grad, residue, 7)
+  assert not r.finite and r.count == 0
+
+
+def test_nonfinite_float16_grad():
+  grad = np.array([1.0, np.inf, 2.0], np.float16)
+  residue = np.array([0.5, 0.25, -1.0], np.float32)
+  payload, new_residue = compress_np(grad, residue, 2)
+  assert payload.numpy()[0] == 0
+  np.testing.assert_array_equal(new_residue.numpy(), residue)
+  assert np.all(np.isnan(adacomp_decompress(payload, [3]).numpy()))
+
+
+def test_gathered_with_one_bad_row_is_all_nan():
+  rng = np.random.default_rng(15)
+  rows = []
+  for k in range(3):
+    grad, residue = _nonfinite_case("nan" if k == 1 else "none", rng)
+    payload, _ = compress_np(grad, residue, 7)
+    rows.append(payload.numpy()[:int(payload_nbytes(payload)) // 4])
+  gathered = ref.pad_rows(rows)
+  out = adacomp_decompress(tf.constant(gathered), [7, 9]).numpy()
+  assert np.all(np.isnan(out))
+
+
+def test_scale_sum_must_not_overflow():
+  """Finite G whose per-bin maxima are near float32 max: the mean of the maxima is finite
+  (3e38), so the scale must be 3e38 and the residue must stay finite."""
+  grad = np.array([3e38, 3e38], np.float32)
+  residue = np.zeros_like(grad)
+  payload, new_residue = compress_np(grad, residue, 1)
+  dec = ref.unpack_payload(payload.numpy(), 2)
+  assert np.all(np.isfinite(new_residue.numpy())), (
+      f"residue poisoned: {new_residue.numpy()}, scale word {dec.scale}")
+  check_against_reference(grad, residue, 1)
+
+
+# ---------------------------------------------------------------------- 9. bad input
+
+
+def _expect(exc, fn, *needles):
+  with pytest.raises(exc) as info:
+    fn()
+  msg = str(info.value)
+  for needle in needles:
+    assert needle in msg, f"{needle!r} not in {msg!r}"
+  return msg
+
+
+def test_int_grad_raises_type_error():
+  residue = tf.Variable(tf.ones([4]))
+  _expect(TypeError, lambda: adacomp_compress(tf.constant([1, 2, 3, 4]), residue, 2),
+          "grad", "int32")
+  np.testing.assert_array_equal(residue.numpy(), np.ones(4, np.float32))
+
+
+def test_int_residue_raises_type_error():
+  _expect(TypeError, lambda: adacomp_compress(tf.ones([4]), tf.constant([1, 2, 3, 4]), 2),
+          "residue", "int32")
+
+
+@pytest.mark.parametrize("bad,text", [(0, "bin_size=0"), (-3, "bin_size=-3"),
+                                      (2.5, "bin_size=2.5"), (True, "bin_size=True")])
+def test_bad_bin_size(bad, text):
+  residue = tf.Variable(tf.fill([4], 0.5))
+  _expect(ValueError, lambda: adacomp_compress(tf.ones([4]), residue, bad), "bin_size", text)
+  np.testing.assert_array_equal(residue.numpy(), np.full(4, 0.5, np.float32))
+
+
+@pytest.mark.parametrize("bad,text", [(0, "max_density=0"), (1.5, "max_density=1.5"),
+                                      (-0.1, "max_density=-0.1")])
+def test_bad_max_density(bad, text):
+  residue = tf.Variable(tf.fill([4], 0.5))
+  _expect(ValueError, lambda: adacomp_compress(tf.ones([4]), residue, 2, bad),
+          "max_density", text)
+  np.testing.assert_array_equal(residue.numpy(), np.full(4, 0.5, np.float32))
+
+
+def test_residue_shape_mismatch():
+  residue = tf.Variable(tf.fill([2, 2], 0.5))
+  _expect(ValueError, lambda: adacomp_compress(tf.ones([4]), residue, 2), "residue", "(2, 2)")
+  np.testing.assert_array_equal(residue.numpy(), np.full([2, 2], 0.5, np.float32))
+
+
+def test_decompress_int_dtype():
+  payload, _ = adacomp_compress(tf.ones([4]), tf.zeros([4]), 2)
+  _expect(TypeError, lambda: adacomp_decompress(payload, [4], tf.int32), "dtype", "dtype=int32")
+
+
+def test_decompress_float_payload():
+  _expect(TypeError, lambda: adacomp_decompress(tf.zeros([5], tf.float32), [4]),
+          "payload", "float32")
+
+
+def test_nbytes_float_payload():
+  _expect(TypeError, lambda: payload_nbytes(tf.zeros([5], tf.float32)), "payload", "float32")
+
+
+def test_decompress_short_payload():
+  _expect(ValueError, lambda: adacomp_decompress(tf.zeros([2], tf.int32), [4]), "payload")

@@ -1,0 +1,39 @@
+"""tf_adacomp: AdaComp gradient compression for TensorFlow/Keras distributed training.
+
+Public API (a flat list, as in Keras and optax):
+
+- compressors: ``AdaComp``, ``TopK``, ``FP16``, ``BF16``, ``NoCompression``, the
+  ``Compressor`` base class, ``TensorPlan``, ``get_compressor``, ``serialize_compressor``;
+- kernels: ``tf_adacomp.ops`` (``adacomp_compress``, ``adacomp_decompress``,
+  ``payload_nbytes``).
+"""
+
+from tf_adacomp import ops
+from tf_adacomp.compressors import AdaComp
+from tf_adacomp.compressors import BF16
+from tf_adacomp.compressors import Compressor
+from tf_adacomp.compressors import FP16
+from tf_adacomp.compressors import NoCompression
+from tf_adacomp.compressors import TensorPlan
+from tf_adacomp.compressors import TopK
+from tf_adacomp.compressors import available as available_compressors
+from tf_adacomp.compressors import get_compressor
+from tf_adacomp.compressors import register as register_compressor
+from tf_adacomp.compressors import serialize as serialize_compressor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AdaComp",
+    "BF16",
+    "Compressor",
+    "FP16",
+    "NoCompression",
+    "TensorPlan",
+    "TopK",
+    "available_compressors",
+    "get_compressor",
+    "ops",
+    "register_compressor",
+    "serialize_compressor",
+]

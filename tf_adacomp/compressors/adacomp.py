@@ -1,0 +1,85 @@
+"""AdaComp: adaptive residual gradient compression (Chen et al., AAAI 2018)."""
+
+import keras
+import tensorflow as tf
+
+from tf_adacomp.compressors import base
+from tf_adacomp.compressors import registry
+from tf_adacomp.ops import adacomp as adacomp_ops
+from tf_adacomp.ops import checks
+
+
+@registry.register("adacomp")
+@keras.saving.register_keras_serializable(package="tf_adacomp")
+class AdaComp(base.Compressor):
+  """AdaComp with one residue per tensor, bins of L_T chosen per variable kind.
+
+  Args:
+    conv_bin_size: L_T for convolution kernels (rank >= 3). Default 50, as in the paper.
+    dense_bin_size: L_T for dense kernels and vectors. Default 500.
+    recurrent_bin_size: L_T for recurrent kernels. Default 500.
+    bin_sizes: optional ``{regex: L_T}``; the first pattern found in a variable's name
+      overrides its kind's bin size.
+    max_density: fraction in (0, 1] of a tensor's elements that one payload can carry
+      (the payload's static capacity). Selected elements beyond it stay in the residue
+      and go in a later step. Lower is faster to encode; 1.0 never holds any back.
+    min_size: tensors with fewer elements are sent dense (uncompressed).
+
+  Raises:
+    ValueError: a bin size < 1, ``max_density`` outside (0, 1], ``min_size`` < 0.
+  """
+
+  def __init__(self, conv_bin_size: int = 50, dense_bin_size: int = 500,
+               recurrent_bin_size: int = 500, bin_sizes=None, max_density: float = 0.25,
+               min_size: int = 0):
+    super().__init__(min_size=min_size)
+    self.conv_bin_size = checks.positive_int(conv_bin_size, "conv_bin_size")
+    self.dense_bin_size = checks.positive_int(dense_bin_size, "dense_bin_size")
+    self.recurrent_bin_size = checks.positive_int(recurrent_bin_size, "recurrent_bin_size")
+    if bin_sizes is not None and not isinstance(bin_sizes, dict):
+      raise ValueError(f"`bin_sizes` must be a dict of regex -> bin size. "
+                       f"Received: bin_sizes={bin_sizes!r}")
+    self.bin_sizes = dict(bin_sizes or {})
+    for pattern, size in self.bin_sizes.items():
+      checks.positive_int(size, f"bin_sizes[{pattern!r}]")
+    self.max_density = checks.fraction(max_density, "max_density")
+
+  def bin_size_for(self, name: str, kind: str) -> int:
+    """L_T for a variable: a ``bin_sizes`` override, else its kind's default."""
+    override = base.match_override(self.bin_sizes, name)
+    if override is not None:
+      return override
+    return {"conv": self.conv_bin_size, "recurrent": self.recurrent_bin_size}.get(
+        kind, self.dense_bin_size)
+
+  def _plan(self, name, shape, dtype, kind):
+    return base.TensorPlan(name, shape, dtype, kind, summable=False,
+                           bin_size=self.bin_size_for(name, kind))
+
+  def init(self, plan):
+    if plan.dense:
+      return ()
+    return (tf.zeros(plan.shape, residue_dtype(plan.dtype)),)
+
+  def _compress(self, grad, state, plan):
+    (residue,) = state
+    payload, residue = adacomp_ops.adacomp_compress(grad, residue, plan.bin_size,
+                                                    self.max_density)
+    return payload, (residue,)
+
+  def _decompress(self, payload, plan):
+    return adacomp_ops.adacomp_decompress(payload, plan.shape, plan.dtype)
+
+  def _payload_nbytes(self, payload, plan):
+    return adacomp_ops.payload_nbytes(payload)
+
+  def get_config(self):
+    return {**super().get_config(), "conv_bin_size": self.conv_bin_size,
+            "dense_bin_size": self.dense_bin_size,
+            "recurrent_bin_size": self.recurrent_bin_size, "bin_sizes": self.bin_sizes,
+            "max_density": self.max_density}
+
+
+def residue_dtype(grad_dtype: tf.DType) -> tf.DType:
+  """Residues accumulate many small updates: float32 at least, float64 for float64."""
+  return tf.float64 if grad_dtype == tf.float64 else tf.float32

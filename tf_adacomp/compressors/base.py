@@ -1,0 +1,219 @@
+"""The compressor contract: static per-tensor plans and pure tensor functions.
+
+In the style of optax: a compressor holds only hyper-parameters. Its maths are pure
+functions of tensors, ``init(plan) -> state`` and
+``compress(grad, state, plan) -> (payload, new_state)``, so they run eagerly, in graph
+mode, under XLA and in ``strategy.run`` alike, and whoever owns the state (an optimizer's
+variables, a cross-device op's per-device variables) decides where it lives.
+
+How payloads of several replicas combine is explicit, per tensor, in ``plan.summable``:
+
+- ``True``: payloads are dense tensors that may be added by an all-reduce
+  (``decompress`` then receives the sum);
+- ``False``: payloads are compact int32 buffers that must be all-gathered
+  (``decompress`` receives ``[replicas, words]`` and returns the sum of the
+  contributions, decoded in replica order).
+"""
+
+import abc
+import dataclasses
+import re
+from typing import Any, Dict, Optional, Tuple
+
+import tensorflow as tf
+
+from tf_adacomp.ops import checks
+
+State = Tuple[tf.Tensor, ...]
+
+KINDS = ("conv", "dense", "recurrent", "vector")
+
+
+def infer_kind(shape: tf.TensorShape, name: str = "") -> str:
+  """Guesses what kind of weight a gradient belongs to from its shape and name.
+
+  ``recurrent`` for names with "recurrent" (Keras LSTM/GRU ``recurrent_kernel``),
+  ``conv`` for kernels of rank 3 or more, ``dense`` for rank 2, ``vector`` otherwise
+  (biases, normalisation scales and offsets).
+  """
+  if "recurrent" in name:
+    return "recurrent"
+  rank = tf.TensorShape(shape).rank
+  if rank is not None and rank >= 3:
+    return "conv"
+  if rank == 2:
+    return "dense"
+  return "vector"
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorPlan:
+  """Static description of how one gradient tensor is compressed.
+
+  Attributes:
+    name: the variable's name ("" if unknown).
+    shape: static shape of the gradient.
+    dtype: dtype of the gradient.
+    kind: one of ``KINDS``.
+    summable: whether payloads of several replicas may be summed (see module doc).
+    dense: True when this tensor is sent uncompressed (e.g. below ``min_size``).
+    bin_size: AdaComp bin length L_T for this tensor (None for other compressors).
+  """
+  name: str
+  shape: tf.TensorShape
+  dtype: tf.DType
+  kind: str
+  summable: bool
+  dense: bool = False
+  bin_size: Optional[int] = None
+
+  @property
+  def num_elements(self) -> int:
+    return self.shape.num_elements()
+
+  @property
+  def dense_nbytes(self) -> int:
+    """Bytes of the gradient sent as float32 (the baseline of compression ratios)."""
+    return 4 * self.num_elements
+
+
+class Compressor(abc.ABC):
+  """Base class of gradient compressors.
+
+  Subclasses set ``name`` (their registry key) and implement ``compress``,
+  ``decompress`` and, when they keep state, ``init``. Tensors smaller than ``min_size``
+  elements go uncompressed (dense, summable) and are counted as such.
+
+  Args:
+    min_size: int >= 0; gradients with fewer elements are sent dense.
+  """
+
+  name: str = ""
+
+  def __init__(self, min_size: int = 0):
+    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
+      raise ValueError(f"`min_size` must be an integer >= 0. Received: min_size={min_size!r}")
+    self.min_size = min_size
+
+  # --- Static planning -----------------------------------------------------------
+
+  def plan(self, shape, dtype, name: str = "", kind: Optional[str] = None) -> TensorPlan:
+    """Decides, once per variable, how its gradient is compressed.
+
+    Args:
+      shape: static shape of the gradient.
+      dtype: float dtype of the gradient.
+      name: the variable's name (used to infer its kind and for overrides).
+      kind: one of ``KINDS``; inferred from shape and name when None.
+
+    Returns:
+      A ``TensorPlan``.
+
+    Raises:
+      TypeError: ``dtype`` is not a float type.
+      ValueError: ``shape`` is not fully defined, or ``kind`` is unknown.
+    """
+    shape = checks.static_shape(shape, "shape")
+    dtype = checks.float_dtype(dtype, "dtype")
+    if kind is None:
+      kind = infer_kind(shape, name)
+    elif kind not in KINDS:
+      raise ValueError(f"`kind` must be one of {KINDS}. Received: kind={kind!r}")
+    if shape.num_elements() < self.min_size or self._always_dense(shape):
+      return TensorPlan(name, shape, dtype, kind, summable=True, dense=True)
+    return self._plan(name, shape, dtype, kind)
+
+  def _always_dense(self, shape: tf.TensorShape) -> bool:
+    del shape
+    return False
+
+  def _plan(self, name, shape, dtype, kind) -> TensorPlan:
+    return TensorPlan(name, shape, dtype, kind, summable=False)
+
+  # --- Pure tensor functions -----------------------------------------------------
+
+  def init(self, plan: TensorPlan) -> State:
+    """Initial state for one tensor (e.g. a zero residue). Stateless: ``()``."""
+    del plan
+    return ()
+
+  def state_specs(self, plan: TensorPlan) -> Tuple[tf.TensorSpec, ...]:
+    """Shapes and dtypes of the state, so that owners can create variables for it."""
+    return tuple(tf.TensorSpec(s.shape, s.dtype) for s in self.init(plan))
+
+  def compress(self, grad, state: State, plan: TensorPlan):
+    """Compresses one replica's gradient.
+
+    Args:
+      grad: the gradient, of ``plan.shape``.
+      state: this tensor's state from ``init`` or the previous ``compress``.
+      plan: from ``plan``.
+
+    Returns:
+      ``(payload, new_state)``.
+    """
+    if plan.dense:
+      return tf.convert_to_tensor(grad), state
+    return self._compress(tf.convert_to_tensor(grad), state, plan)
+
+  def decompress(self, payload, plan: TensorPlan) -> tf.Tensor:
+    """Dense gradient of ``plan.shape`` and ``plan.dtype`` from a combined payload.
+
+    Args:
+      payload: for summable plans the sum of the replicas' payloads; otherwise the
+        gathered ``[replicas, ...]`` payloads (or one replica's payload).
+      plan: from ``plan``.
+
+    Returns:
+      The sum over replicas of their (approximate) gradients.
+    """
+    if plan.dense:
+      return tf.cast(payload, plan.dtype)
+    return self._decompress(payload, plan)
+
+  def payload_nbytes(self, payload, plan: TensorPlan) -> tf.Tensor:
+    """Bytes one replica's payload occupies on the wire (int64 scalar tensor)."""
+    if plan.dense:
+      payload = tf.convert_to_tensor(payload)
+      return tf.constant(payload.shape.num_elements() * payload.dtype.size, tf.int64)
+    return self._payload_nbytes(payload, plan)
+
+  @abc.abstractmethod
+  def _compress(self, grad, state, plan):
+    ...
+
+  @abc.abstractmethod
+  def _decompress(self, payload, plan):
+    ...
+
+  @abc.abstractmethod
+  def _payload_nbytes(self, payload, plan):
+    ...
+
+  # --- Serialization -------------------------------------------------------------
+
+  def get_config(self) -> Dict[str, Any]:
+    """Constructor arguments, JSON-serializable."""
+    return {"min_size": self.min_size}
+
+  @classmethod
+  def from_config(cls, config: Dict[str, Any]) -> "Compressor":
+    return cls(**config)
+
+  def __repr__(self):
+    args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+    return f"{type(self).__name__}({args})"
+
+  def __eq__(self, other):
+    return type(self) is type(other) and self.get_config() == other.get_config()
+
+  def __hash__(self):
+    return hash((type(self), repr(self)))
+
+
+def match_override(overrides: Optional[Dict[str, Any]], name: str):
+  """The value of the first ``overrides`` pattern (a regex) found in ``name``, or None."""
+  for pattern, value in (overrides or {}).items():
+    if re.search(pattern, name):
+      return value
+  return None

@@ -1,0 +1,49 @@
+"""Dense compressors: exact (no compression) and half-precision casts."""
+
+import keras
+import tensorflow as tf
+
+from tf_adacomp.compressors import base
+from tf_adacomp.compressors import registry
+
+
+class _Dense(base.Compressor):
+  """Sends every element as ``wire_dtype``; payloads are summable by an all-reduce."""
+
+  wire_dtype: tf.DType = None
+
+  def _plan(self, name, shape, dtype, kind):
+    return base.TensorPlan(name, shape, dtype, kind, summable=True)
+
+  def _compress(self, grad, state, plan):
+    return tf.cast(grad, self.wire_dtype or grad.dtype), state
+
+  def _decompress(self, payload, plan):
+    return tf.cast(payload, plan.dtype)
+
+  def _payload_nbytes(self, payload, plan):
+    payload = tf.convert_to_tensor(payload)
+    return tf.constant(payload.shape.num_elements() * payload.dtype.size, tf.int64)
+
+
+@registry.register("none")
+@keras.saving.register_keras_serializable(package="tf_adacomp")
+class NoCompression(_Dense):
+  """The gradient as it is: exact, the baseline every ratio is measured against."""
+
+
+@registry.register("fp16")
+@keras.saving.register_keras_serializable(package="tf_adacomp")
+class FP16(_Dense):
+  """Casts to float16 for the exchange (as Horovod's ``Compression.fp16``).
+
+  Values above 65504 in magnitude become inf, which loss-scaling optimizers detect.
+  """
+  wire_dtype = tf.float16
+
+
+@registry.register("bf16")
+@keras.saving.register_keras_serializable(package="tf_adacomp")
+class BF16(_Dense):
+  """Casts to bfloat16 for the exchange: float32's range, 8 bits of mantissa."""
+  wire_dtype = tf.bfloat16

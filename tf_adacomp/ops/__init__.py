@@ -1,0 +1,10 @@
+"""XLA-compiled compression kernels: pure functions of tensors, eager-testable."""
+
+from tf_adacomp.ops.adacomp import adacomp_compress
+from tf_adacomp.ops.adacomp import adacomp_decompress
+from tf_adacomp.ops.adacomp import exchange_nbytes
+from tf_adacomp.ops.adacomp import payload_nbytes
+from tf_adacomp.ops.adacomp import payload_words
+from tf_adacomp.ops.topk import topk_compress
+from tf_adacomp.ops.topk import topk_decompress
+from tf_adacomp.ops.topk import topk_payload_words

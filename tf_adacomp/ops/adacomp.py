@@ -1,0 +1,253 @@
+"""AdaComp (Chen et al., AAAI 2018) compress and decode kernels, compiled with XLA.
+
+Per tensor, with residue R and new gradient dW (ALGORITHMS.md section 1):
+
+    G = R + dW;  H = G + dW
+    gmax[b] = max |G| over bin b of ``bin_size`` consecutive elements of the flat tensor
+    S = {i : |H_i| >= gmax[bin(i)]}
+    scale = mean(gmax);  Q_i = sign(G_i) * scale on S, else 0;  R <- G - Q
+
+Two choices of this implementation, neither of which changes Q:
+- elements with G_i == 0 are not sent: their Q_i is sign(0) * scale = 0 anyway (this
+  keeps an all-zero bin, where every |H_i| >= 0 = gmax, from sending every element);
+- a payload has a static capacity (``max_density`` of the elements, all by default); if
+  more are selected, the first ones in the order of ``compaction.select_positions``
+  (by ``(i % blocks, i // blocks)``, blocks = ceil(n / 32)) are sent and the rest stay
+  in R.
+
+Wire format (docs/wire_format.md): int32 words
+``[count, scale (float32 bits), bits, packed codes...]`` where each code is
+``position << 1 | (G < 0)`` in ``bits = index_bits(n) + 1`` bits.
+"""
+
+import functools
+import math
+
+import tensorflow as tf
+
+from tf_adacomp.ops import bitpack
+from tf_adacomp.ops import checks
+from tf_adacomp.ops import compaction
+
+HEADER_WORDS = 3
+
+
+def index_bits(num_elements: int) -> int:
+  """Bits needed for a position in a tensor of ``num_elements`` (0 for 0 or 1 element)."""
+  return max(num_elements - 1, 0).bit_length()
+
+
+def capacity(num_elements: int, max_density: float) -> int:
+  """Static number of elements one payload can carry."""
+  if num_elements == 0:
+    return 0
+  return max(1, min(num_elements, math.ceil(max_density * num_elements)))
+
+
+def payload_words(num_elements: int, max_density: float = 1.0) -> int:
+  """Static length in int32 words of the payload for a tensor of ``num_elements``."""
+  bits = index_bits(num_elements) + 1
+  return HEADER_WORDS + bitpack.packed_words(capacity(num_elements, max_density), bits)
+
+
+def _compute_dtype(*dtypes):
+  return tf.float64 if tf.float64 in dtypes else tf.float32
+
+
+def _compress(grad, residue, bin_size: int, cap: int):
+  n = grad.shape.num_elements()
+  bits = index_bits(n) + 1
+  cd = _compute_dtype(grad.dtype, residue.dtype)
+  dw = tf.cast(tf.reshape(grad, [-1]), cd)
+  r = tf.cast(tf.reshape(residue, [-1]), cd)
+  g = r + dw
+  h = g + dw
+  finite = tf.reduce_all(tf.math.is_finite(g))
+
+  bins = -(-n // bin_size)
+  padded = tf.pad(g, [[0, bins * bin_size - n]])
+  gmax = tf.reduce_max(tf.abs(tf.reshape(padded, [bins, bin_size])), axis=1)
+  # One scale per tensor, rounded to the float32 that goes on the wire, so that the
+  # receiver decodes exactly the Q subtracted here.
+  scale32 = tf.cast(tf.reduce_mean(gmax), tf.float32) if bins else tf.zeros([], tf.float32)
+  scale = tf.cast(scale32, cd)
+  threshold = tf.reshape(tf.broadcast_to(gmax[:, None], [bins, bin_size]), [-1])[:n]
+  selected = (tf.abs(h) >= threshold) & tf.not_equal(g, 0) & finite
+
+  blocks = compaction.blocks_for(n)
+  words = compaction.pack_mask(compaction.to_columns(selected, blocks))
+  positions, count, total = compaction.select_positions(words, cap)
+
+  def residue_for(sent):
+    return tf.where(sent, g - tf.where(g < 0, -scale, scale), g)
+
+  if cap >= n:
+    new_residue = residue_for(selected)
+  else:
+    # Only when more is selected than the payload holds: what is left out stays in R.
+    new_residue = tf.cond(
+        total > cap,
+        lambda: residue_for(_flat_mask(compaction.kept_words(words, cap), n)),
+        lambda: residue_for(selected))
+  new_residue = tf.where(finite, new_residue, r)
+
+  negative = tf.cast(tf.gather(g, positions) < 0, tf.uint32) if cap else tf.zeros([0], tf.uint32)
+  codes = tf.bitwise.bitwise_or(tf.bitwise.left_shift(tf.cast(positions, tf.uint32), 1), negative)
+  nan = tf.constant(float("nan"), tf.float32)
+  header = tf.stack([
+      count,
+      tf.bitcast(tf.where(finite, scale32, nan), tf.int32),
+      tf.constant(bits, tf.int32),
+  ])
+  body = tf.bitcast(bitpack.pack(codes, bits), tf.int32)
+  payload = tf.concat([header, tf.reshape(body, [-1])], axis=0)
+  return payload, tf.reshape(tf.cast(new_residue, residue.dtype), residue.shape)
+
+
+def _flat_mask(words, n: int):
+  """The flat bool mask of ``n`` elements held by ``pack_mask`` words."""
+  return tf.reshape(compaction.unpack_mask(words), [-1])[:n]
+
+
+def _decompress(payload, shape: tf.TensorShape, dtype: tf.DType):
+  n = shape.num_elements()
+  bits = index_bits(n) + 1
+  rows = payload if payload.shape.rank == 2 else payload[None]
+  width = int(rows.shape[1])
+  cap = (width - HEADER_WORDS) * 32 // bits
+  cd = _compute_dtype(dtype)
+  total = tf.zeros([n], cd)
+  slots = tf.range(cap, dtype=tf.int32)
+  # A fixed, sequential order over replicas: every replica adds the same floats in the
+  # same order and gets a bit-identical sum.
+  for row in range(int(rows.shape[0])):
+    count, scale_bits, sent_bits = rows[row, 0], rows[row, 1], rows[row, 2]
+    scale = tf.cast(tf.bitcast(scale_bits, tf.float32), cd)
+    codes = bitpack.unpack(tf.bitcast(rows[row, HEADER_WORDS:], tf.uint32), cap, bits)
+    positions = tf.cast(tf.bitwise.right_shift(codes, 1), tf.int32)
+    negative = tf.bitwise.bitwise_and(codes, 1) > 0
+    valid = (slots < count) & (positions < n)
+    values = tf.where(negative, -scale, scale)
+    dense = tf.scatter_nd(tf.where(valid, positions, n)[:, None],
+                          tf.where(valid, values, tf.zeros_like(values)), [n + 1])[:n]
+    # A payload that is not what this shape expects, or that carries the non-finite
+    # marker, decodes to NaN so that loss scaling and finiteness checks see it.
+    bad = ((sent_bits != bits) | (count < 0) | (count > cap)
+           | tf.logical_not(tf.math.is_finite(scale)))
+    total += tf.where(bad, tf.constant(float("nan"), cd), dense)
+  return tf.reshape(tf.cast(total, dtype), shape)
+
+
+def _nbytes(payload):
+  rows = tf.cast(payload, tf.int64)
+  count, bits = rows[..., 0], rows[..., 2]
+  return 4 * (HEADER_WORDS + (count * bits + 31) // 32)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(fn, **static):
+  """One XLA-compiled function per kernel and static setting (bin size, capacity,
+  shape, dtype): each traces once per input signature, so retracing warnings mean
+  something again."""
+  return tf.function(functools.partial(fn, **static), jit_compile=True, autograph=False)
+
+
+def adacomp_compress(grad, residue, bin_size: int, max_density: float = 1.0):
+  """Compresses ``grad`` with AdaComp, carrying the error in ``residue``.
+
+  Runs eagerly, in graph mode and inside ``strategy.run``; always XLA-compiled (one
+  compilation per shape, dtype, bin size and density).
+
+  Args:
+    grad: float16/bfloat16/float32/float64 tensor with a static shape.
+    residue: float tensor of the same shape (its dtype may differ, e.g. float32 for a
+      bfloat16 gradient); zeros at the first step.
+    bin_size: int >= 1, the bin length L_T (50 for convolutions, 500 for dense/LSTM).
+    max_density: fraction in (0, 1] of the elements one payload can carry; the payload
+      has a static size. Selected elements beyond it stay in the residue. 1.0 (the
+      default) never drops anything from the payload.
+
+  Returns:
+    ``(payload, new_residue)``: a 1-D int32 payload in the wire format of
+    docs/wire_format.md (static length ``payload_words(n, max_density)``; only
+    ``payload_nbytes(payload)`` bytes of it need to be sent), and the new residue with
+    the dtype and shape of ``residue``. If ``grad + residue`` has a non-finite element,
+    nothing is selected, the residue is returned unchanged and the payload is marked so
+    that it decodes to NaN.
+
+  Raises:
+    TypeError: ``grad`` or ``residue`` is not a float tensor.
+    ValueError: shapes differ or are not static, ``bin_size`` < 1, ``max_density``
+      outside (0, 1].
+  """
+  grad = checks.float_tensor(grad, "grad")
+  residue = checks.float_tensor(residue, "residue")
+  checks.same_shape(grad, residue, "grad", "residue")
+  bin_size = checks.positive_int(bin_size, "bin_size")
+  max_density = checks.fraction(max_density, "max_density")
+  cap = capacity(grad.shape.num_elements(), max_density)
+  return _kernel(_compress, bin_size=bin_size, cap=cap)(grad, residue)
+
+
+def adacomp_decompress(payload, shape, dtype=tf.float32):
+  """Decodes AdaComp payloads into a dense tensor.
+
+  Args:
+    payload: int32 ``[words]`` (one replica's payload) or ``[replicas, words]`` (payloads
+      gathered from several replicas, each zero-padded to a common length of at least
+      its used words).
+    shape: static shape of the gradient.
+    dtype: float dtype of the result.
+
+  Returns:
+    A dense tensor of ``shape`` and ``dtype``: the ternary gradient of the payload, or
+    for a gathered payload the sum of every replica's contribution, added in replica
+    order. NaN everywhere if a payload carries the non-finite marker or does not match
+    ``shape``.
+
+  Raises:
+    TypeError: ``payload`` is not int32 or ``dtype`` is not a float type.
+    ValueError: ``payload`` is not rank 1 or 2 with a static shape, is shorter than a
+      header, or ``shape`` is not fully defined.
+  """
+  payload = checks.payload_tensor(payload)
+  shape = checks.static_shape(shape, "shape")
+  dtype = checks.float_dtype(dtype, "dtype")
+  if payload.shape[-1] < HEADER_WORDS:
+    raise ValueError(f"`payload` must hold at least the {HEADER_WORDS}-word header. "
+                     f"Received: payload with shape {payload.shape}")
+  return _kernel(_decompress, shape=shape, dtype=dtype)(payload)
+
+
+def payload_nbytes(payload):
+  """Bytes that a payload occupies on the wire: header and used packed words.
+
+  Args:
+    payload: int32 ``[words]`` or gathered ``[replicas, words]`` AdaComp payload.
+
+  Returns:
+    int64 tensor: a scalar for one payload, ``[replicas]`` for a gathered one. Zero
+    padding beyond the used words is not counted here; an exchange that pads payloads
+    to a common length counts that padding itself (see ``exchange_nbytes``).
+
+  Raises:
+    TypeError, ValueError: as for ``adacomp_decompress``.
+  """
+  payload = checks.payload_tensor(payload)
+  return _kernel(_nbytes)(payload)
+
+
+def exchange_nbytes(nbytes):
+  """Bytes each replica puts on the wire when payloads of varying length are gathered.
+
+  The exchange first all-gathers every replica's length (one int32 each), then pads
+  every payload to the longest and all-gathers those: per replica, 4 bytes plus the
+  longest payload, padding included.
+
+  Args:
+    nbytes: int tensor ``[replicas]``, each replica's ``payload_nbytes``.
+
+  Returns:
+    int64 scalar tensor: the bytes one replica sends.
+  """
+  return 4 + tf.reduce_max(tf.cast(nbytes, tf.int64))

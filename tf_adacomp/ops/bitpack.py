@@ -1,0 +1,92 @@
+"""Fixed-width bit packing of unsigned codes into 32-bit words, for XLA.
+
+A stream of ``count`` codes of ``bits`` bits each is laid out little-endian: code ``j``
+occupies stream bits ``[j * bits, (j + 1) * bits)``, and stream bit ``p`` is bit
+``p % 32`` of word ``p // 32``. Every shape and shift is static, so both directions
+compile to a handful of fused element-wise XLA loops with no scatter: each output
+word is assembled from the few codes that overlap it (packing) and each code is read
+from the two words that may hold it (unpacking).
+"""
+
+import math
+
+import numpy as np
+import tensorflow as tf
+
+
+def packed_words(count: int, bits: int) -> int:
+  """Number of 32-bit words that hold ``count`` codes of ``bits`` bits."""
+  return (count * bits + 31) // 32
+
+
+def _pack_tables(bits: int):
+  """Static tables for one group of 32 codes, which fills exactly ``bits`` words.
+
+  For word ``w`` of a group and each of the ``m`` codes that may overlap it, returns the
+  code's index within the group, the left shift (32 + s, where s is the code's first
+  bit relative to the word's first bit) and whether that code overlaps the word at all.
+  """
+  overlap = math.ceil(32 / bits) + 1
+  code = np.zeros([bits, overlap], np.int32)
+  shift = np.zeros([bits, overlap], np.uint64)
+  valid = np.zeros([bits, overlap], bool)
+  for w in range(bits):
+    first = (32 * w) // bits
+    for m in range(overlap):
+      j = first + m
+      s = j * bits - 32 * w
+      if j < 32 and s < 32 and s + bits > 0:
+        code[w, m], shift[w, m], valid[w, m] = j, 32 + s, True
+  return code, shift, valid
+
+
+def pack(codes: tf.Tensor, bits: int) -> tf.Tensor:
+  """Packs a 1-D uint32 tensor of codes (each < 2**bits) into uint32 words.
+
+  Args:
+    codes: 1-D ``uint32`` tensor with a static length.
+    bits: Python int in [1, 32], the width of every code.
+
+  Returns:
+    A 1-D ``uint32`` tensor of ``packed_words(len(codes), bits)`` words.
+  """
+  count = int(codes.shape[0])
+  if count == 0:
+    return tf.zeros([0], tf.uint32)
+  groups = -(-count // 32)
+  padded = tf.pad(codes, [[0, groups * 32 - count]])
+  grouped = tf.cast(tf.reshape(padded, [groups, 32]), tf.uint64)
+  code_idx, shift, valid = _pack_tables(bits)
+  # [groups, bits, overlap]: each code shifted so that >> 32 leaves exactly the bits
+  # that fall inside the word; the parts are disjoint, so a sum is a bitwise or.
+  parts = tf.gather(grouped, code_idx, axis=1)
+  parts = tf.bitwise.right_shift(tf.bitwise.left_shift(parts, shift), tf.constant(32, tf.uint64))
+  parts = tf.where(valid, parts, tf.zeros_like(parts))
+  words = tf.cast(tf.reduce_sum(parts, axis=2), tf.uint32)
+  return tf.reshape(words, [-1])[:packed_words(count, bits)]
+
+
+def unpack(words: tf.Tensor, count: int, bits: int) -> tf.Tensor:
+  """Reads ``count`` codes of ``bits`` bits back from 1-D uint32 ``words``.
+
+  Args:
+    words: 1-D ``uint32`` tensor with at least ``packed_words(count, bits)`` words.
+    count: Python int, how many codes to read.
+    bits: Python int in [1, 32].
+
+  Returns:
+    A 1-D ``uint32`` tensor of ``count`` codes.
+  """
+  if count == 0:
+    return tf.zeros([0], tf.uint32)
+  start = np.arange(count, dtype=np.int64) * bits
+  first = start // 32
+  # One guard word so that the "next word" of the last code always exists.
+  wide = tf.cast(tf.concat([words, tf.zeros([1], words.dtype)], 0), tf.uint64)
+  lo = tf.gather(wide, first)
+  hi = tf.gather(wide, first + 1)
+  both = tf.bitwise.bitwise_or(lo, tf.bitwise.left_shift(hi, tf.constant(32, tf.uint64)))
+  mask = tf.constant((1 << bits) - 1, tf.uint64)
+  codes = tf.bitwise.bitwise_and(
+      tf.bitwise.right_shift(both, tf.constant(start % 32, tf.uint64)), mask)
+  return tf.cast(codes, tf.uint32)
