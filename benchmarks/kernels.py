@@ -1,0 +1,114 @@
+"""Throughput of the AdaComp kernels against one fused XLA pass ``residue + grad``.
+
+The fused pass is the floor: a compressor must at least read the gradient and the
+residue and write the residue once. Every figure is a ratio to that pass, taken in the
+same run on the same tensors (these machines are noisy); each time is the median of
+``--repeats`` calls after one warm-up (compilation) call.
+
+    python benchmarks/kernels.py                      # 1M..64M elements, prints a table
+    python benchmarks/kernels.py --sizes 1M,4M --json out/kernels.json
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import numpy as np
+import tensorflow as tf
+
+import tf_adacomp
+from tf_adacomp import ops
+
+
+@tf.function(jit_compile=True)
+def _fused_pass(grad, residue):
+  return residue + grad
+
+
+def _median_seconds(fn, repeats):
+  out = fn()  # compile
+  tf.nest.map_structure(lambda t: t.numpy(), out)
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    out = fn()
+    tf.nest.map_structure(lambda t: t.numpy(), out)  # wait for the result
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def _parse_size(text):
+  text = text.strip().upper()
+  scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1], 1)
+  return int(float(text.rstrip("KM")) * scale)
+
+
+def bench(n, bin_size, max_density, repeats, seed=0):
+  """One row: times and ratios for a flat float32 tensor of ``n`` elements."""
+  rng = np.random.default_rng(seed)
+  # A residue that has been accumulating (larger than one gradient), as in training.
+  grad = tf.constant(rng.standard_normal(n, dtype=np.float32))
+  residue = tf.constant(3 * rng.standard_normal(n, dtype=np.float32))
+  fused = _median_seconds(lambda: _fused_pass(grad, residue), repeats)
+  compress = _median_seconds(
+      lambda: ops.adacomp_compress(grad, residue, bin_size, max_density), repeats)
+  payload, _ = ops.adacomp_compress(grad, residue, bin_size, max_density)
+  gathered = tf.stack([payload] * 4)
+  decode = _median_seconds(lambda: ops.adacomp_decompress(payload, [n]), repeats)
+  decode4 = _median_seconds(lambda: ops.adacomp_decompress(gathered, [n]), repeats)
+  nbytes = int(ops.payload_nbytes(payload))
+  return {
+      "elements": n, "bin_size": bin_size, "max_density": max_density,
+      "selected": int(payload[0]), "payload_bytes": nbytes,
+      "compression_ratio": 4 * n / nbytes,
+      "fused_pass_s": fused, "compress_s": compress, "decode_s": decode,
+      "decode_4_replicas_s": decode4,
+      "compress_elements_per_s": n / compress, "decode_elements_per_s": n / decode,
+      "compress_over_fused": compress / fused, "decode_over_fused": decode / fused,
+  }
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--sizes", default="1M,4M,16M,64M")
+  parser.add_argument("--bin_sizes", default="50,500")
+  parser.add_argument("--max_densities", default=f"{tf_adacomp.AdaComp().max_density},1.0",
+                      help="payload capacities to measure (the compressor default first)")
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--json", default="out/kernels.json")
+  args = parser.parse_args()
+
+  rows = []
+  header = (f"{'elements':>10} {'L_T':>4} {'cap':>5} {'sel%':>6} {'ratio':>7} "
+            f"{'fused ms':>9} {'comp ms':>8} {'comp/fused':>10} {'Melem/s':>8} "
+            f"{'dec ms':>7} {'dec/fused':>9} {'dec4 ms':>8}")
+  print(f"device: {tf.config.list_logical_devices()[0].name}, {os.cpu_count()} CPUs, "
+        f"TensorFlow {tf.__version__}\n{header}")
+  for size in args.sizes.split(","):
+    n = _parse_size(size)
+    for bin_size in map(int, args.bin_sizes.split(",")):
+      for density in map(float, args.max_densities.split(",")):
+        r = bench(n, bin_size, density, args.repeats)
+        rows.append(r)
+        print(f"{n:>10} {bin_size:>4} {density:>5.3g} {100 * r['selected'] / n:>6.2f} "
+              f"{r['compression_ratio']:>6.1f}x {1e3 * r['fused_pass_s']:>9.2f} "
+              f"{1e3 * r['compress_s']:>8.2f} {r['compress_over_fused']:>9.2f}x "
+              f"{r['compress_elements_per_s'] / 1e6:>8.1f} {1e3 * r['decode_s']:>7.2f} "
+              f"{r['decode_over_fused']:>8.2f}x {1e3 * r['decode_4_replicas_s']:>8.2f}",
+              flush=True)
+  result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                        "tensorflow": tf.__version__,
+                        "devices": [d.name for d in tf.config.list_logical_devices()]},
+            "rows": rows}
+  os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+  with open(args.json, "w") as f:
+    json.dump(result, f, indent=2)
+  print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+  main()

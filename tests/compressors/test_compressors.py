@@ -1,0 +1,118 @@
+"""Each compressor through the contract: error feedback, gathered decoding, casts, TopK."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_adacomp
+
+
+def _combine(compressor, plan, payloads):
+  if plan.summable:
+    return compressor.decompress(tf.add_n(payloads), plan)
+  return compressor.decompress(tf.stack(payloads), plan)
+
+
+@pytest.mark.parametrize("name", ["adacomp", "topk"])
+def test_error_feedback_loses_nothing_over_steps(name):
+  """sum of what was sent + final residue == sum of all gradients (to rounding)."""
+  compressor = tf_adacomp.get_compressor(name)
+  plan = compressor.plan([40, 30], tf.float32, "dense/kernel")
+  state = compressor.init(plan)
+  rng = np.random.default_rng(0)
+  sent = np.zeros([40, 30], np.float64)
+  total = np.zeros([40, 30], np.float64)
+  for _ in range(6):
+    grad = rng.standard_normal([40, 30]).astype(np.float32)
+    total += grad
+    payload, state = compressor.compress(grad, state, plan)
+    sent += compressor.decompress(payload, plan).numpy()
+  np.testing.assert_allclose(sent + state[0].numpy(), total, atol=1e-4)
+  assert np.count_nonzero(sent) < sent.size  # it did compress
+
+
+@pytest.mark.parametrize("name", ["adacomp", "topk", "none", "fp16", "bf16"])
+def test_combined_payload_is_the_sum_over_replicas(name):
+  compressor = tf_adacomp.get_compressor(name)
+  plan = compressor.plan([3, 3, 4, 8], tf.float32, "conv/kernel")
+  rng = np.random.default_rng(1)
+  payloads, singles = [], []
+  for _ in range(3):
+    payload, _ = compressor.compress(
+        rng.standard_normal(plan.shape).astype(np.float32), compressor.init(plan), plan)
+    payloads.append(payload)
+    singles.append(compressor.decompress(payload, plan).numpy())
+  combined = _combine(compressor, plan, payloads).numpy()
+  tol = {"fp16": 2e-3, "bf16": 3e-2}.get(name, 1e-6)
+  np.testing.assert_allclose(combined, np.sum(singles, 0), rtol=tol, atol=tol)
+  again = _combine(compressor, plan, payloads).numpy()
+  np.testing.assert_array_equal(combined, again)  # deterministic, bit for bit
+
+
+@pytest.mark.parametrize("name,wire,rtol", [("fp16", tf.float16, 1e-3), ("bf16", tf.bfloat16, 1e-2)])
+def test_casts_halve_the_bytes(name, wire, rtol):
+  compressor = tf_adacomp.get_compressor(name)
+  plan = compressor.plan([100], tf.float32)
+  grad = tf.linspace(-3.0, 3.0, 100)
+  payload, state = compressor.compress(grad, compressor.init(plan), plan)
+  assert payload.dtype == wire and state == ()
+  assert int(compressor.payload_nbytes(payload, plan)) == 200
+  np.testing.assert_allclose(compressor.decompress(payload, plan), grad, rtol=rtol, atol=1e-3)
+
+
+def test_none_is_exact():
+  compressor = tf_adacomp.NoCompression()
+  plan = compressor.plan([5, 5], tf.float32)
+  grad = tf.random.normal([5, 5])
+  payload, _ = compressor.compress(grad, (), plan)
+  np.testing.assert_array_equal(compressor.decompress(payload, plan), grad)
+  assert int(compressor.payload_nbytes(payload, plan)) == 100
+
+
+def _topk_reference(grad, residue, density):
+  g = residue.astype(np.float32) + grad.astype(np.float32)
+  flat = g.reshape(-1)
+  k = max(1, int(np.ceil(density * flat.size)))
+  order = np.argsort(-np.abs(flat), kind="stable")[:k]
+  sent = np.zeros_like(flat)
+  sent[order] = flat[order]
+  return sent.reshape(g.shape), (flat - sent).reshape(g.shape), k
+
+
+@pytest.mark.parametrize("shape,density", [([1000], 0.01), ([37, 3], 0.1), ([1], 0.5), ([2048], 1.0)])
+def test_topk_matches_numpy(shape, density):
+  rng = np.random.default_rng(2)
+  grad = rng.standard_normal(shape).astype(np.float32)
+  residue = rng.standard_normal(shape).astype(np.float32)
+  payload, new_residue = tf_adacomp.ops.topk_compress(grad, residue, density)
+  sent, expected_residue, k = _topk_reference(grad, residue, density)
+  assert payload.shape == [tf_adacomp.ops.topk_payload_words(int(np.prod(shape)), density)]
+  assert int(payload[0]) == k
+  decoded = tf_adacomp.ops.topk_decompress(payload, shape, density).numpy()
+  np.testing.assert_array_equal(decoded, sent)
+  np.testing.assert_array_equal(new_residue.numpy(), expected_residue)
+
+
+def test_topk_non_finite_keeps_the_residue_and_decodes_to_nan():
+  residue = tf.ones([64])
+  grad = tf.tensor_scatter_nd_update(tf.zeros([64]), [[3]], [np.inf])
+  payload, new_residue = tf_adacomp.ops.topk_compress(grad, residue, 0.1)
+  np.testing.assert_array_equal(new_residue, residue)
+  assert np.isnan(tf_adacomp.ops.topk_decompress(payload, [64], 0.1).numpy()).any()
+
+
+def test_topk_rejects_a_payload_of_another_shape():
+  payload, _ = tf_adacomp.ops.topk_compress(tf.ones([100]), tf.zeros([100]), 0.1)
+  with pytest.raises(ValueError, match="payload"):
+    tf_adacomp.ops.topk_decompress(payload, [200], 0.1)
+
+
+@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16, tf.float64])
+def test_adacomp_residues_are_at_least_float32(dtype):
+  compressor = tf_adacomp.AdaComp()
+  plan = compressor.plan([600], dtype)
+  (residue,) = compressor.init(plan)
+  assert residue.dtype == (tf.float64 if dtype == tf.float64 else tf.float32)
+  payload, (new_residue,) = compressor.compress(tf.ones([600], dtype), (residue,), plan)
+  assert new_residue.dtype == residue.dtype
+  assert compressor.decompress(payload, plan).dtype == dtype

@@ -1,0 +1,81 @@
+"""The building blocks of the kernels against plain NumPy, under XLA as in the kernels."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_adacomp.ops import bitpack
+from tf_adacomp.ops import compaction
+
+
+def _xla(fn, *args):
+  return tf.function(fn, jit_compile=True)(*args)
+
+
+def _numpy_pack(codes, bits):
+  stream = np.zeros(len(codes) * bits, np.uint8)
+  for j, code in enumerate(codes):
+    for t in range(bits):
+      stream[j * bits + t] = (int(code) >> t) & 1
+  words = np.zeros(bitpack.packed_words(len(codes), bits), np.uint64)
+  for p, bit in enumerate(stream):
+    words[p // 32] |= np.uint64(int(bit) << (p % 32))
+  return words.astype(np.uint32)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 5, 8, 13, 17, 21, 31, 32])
+@pytest.mark.parametrize("count", [1, 31, 32, 33, 100])
+def test_pack_matches_numpy_and_unpacks(bits, count):
+  rng = np.random.default_rng(bits * 1000 + count)
+  codes = rng.integers(0, 2**bits, size=count, dtype=np.uint64).astype(np.uint32)
+  words = _xla(lambda c: bitpack.pack(c, bits), tf.constant(codes))
+  np.testing.assert_array_equal(words.numpy(), _numpy_pack(codes, bits))
+  back = _xla(lambda w: bitpack.unpack(w, count, bits), words)
+  np.testing.assert_array_equal(back.numpy(), codes)
+
+
+def test_pack_of_nothing_is_empty():
+  assert bitpack.pack(tf.zeros([0], tf.uint32), 7).shape == [0]
+  assert bitpack.unpack(tf.zeros([0], tf.uint32), 0, 7).shape == [0]
+
+
+@pytest.mark.parametrize("n", [1, 65, 1000, 5000])
+def test_cumsum_matches_numpy(n):
+  x = np.random.default_rng(n).integers(0, 33, size=n).astype(np.int32)
+  np.testing.assert_array_equal(_xla(compaction.cumsum, tf.constant(x)), np.cumsum(x))
+  np.testing.assert_array_equal(
+      _xla(lambda t: compaction.cumsum(t, exclusive=True), tf.constant(x)),
+      np.cumsum(x) - x)
+
+
+def test_nth_set_bit_and_keep_lowest():
+  words = np.array([0b1011, 0x80000001, 0xFFFFFFFF, 0b100], np.uint32)
+  n = np.array([2, 1, 31, 0], np.int32)
+  np.testing.assert_array_equal(
+      compaction.nth_set_bit(tf.constant(words), tf.constant(n)), [3, 31, 31, 2])
+  kept = compaction.keep_lowest_set_bits(tf.constant(words), tf.constant([2, 0, 32, 5]))
+  np.testing.assert_array_equal(kept, [0b11, 0, 0xFFFFFFFF, 0b100])
+
+
+@pytest.mark.parametrize("n,density,capacity", [
+    (1, 1.0, 1), (100, 0.3, 100), (1000, 0.05, 20), (4096, 0.5, 4096), (777, 0.0, 5),
+    (3000, 1.0, 500)])
+def test_select_positions_follows_the_column_order(n, density, capacity):
+  rng = np.random.default_rng(n)
+  mask = rng.random(n) < density
+  blocks = compaction.blocks_for(n)
+
+  def run(m):
+    words = compaction.pack_mask(compaction.to_columns(m, blocks))
+    positions, count, total = compaction.select_positions(words, capacity)
+    kept = compaction.unpack_mask(compaction.kept_words(words, capacity))
+    return positions, count, total, tf.reshape(kept, [-1])[:n]
+
+  positions, count, total, kept = _xla(run, tf.constant(mask))
+  selected = np.flatnonzero(mask)
+  order = selected[np.lexsort((selected // blocks, selected % blocks))]
+  expected = order[:capacity]
+  assert int(total) == len(selected) and int(count) == len(expected)
+  np.testing.assert_array_equal(positions.numpy()[:len(expected)], expected)
+  np.testing.assert_array_equal(positions.numpy()[len(expected):], 0)
+  np.testing.assert_array_equal(np.flatnonzero(kept.numpy()), np.sort(expected))
