@@ -586,12 +586,6 @@ def test_gathered_with_one_bad_row_is_all_nan():
   assert np.all(np.isnan(out))
 
 
-@pytest.mark.xfail(
-    reason="kernel bug: scale = tf.reduce_mean(gmax) in float32 sums before dividing, so "
-    "finite bin maxima near float32 max overflow to scale=inf; the payload then decodes to "
-    "NaN while new_residue = G - inf = -inf (residue poisoned for all later steps) instead "
-    "of scale=3e38 and residue 0",
-    strict=False)
 def test_scale_sum_must_not_overflow():
   """Finite G whose per-bin maxima are near float32 max: the mean of the maxima is finite
   (3e38), so the scale must be 3e38 and the residue must stay finite."""
@@ -602,6 +596,17 @@ def test_scale_sum_must_not_overflow():
   assert np.all(np.isfinite(new_residue.numpy())), (
       f"residue poisoned: {new_residue.numpy()}, scale word {dec.scale}")
   check_against_reference(grad, residue, 1)
+
+
+def test_scale_beyond_float32_keeps_the_residue():
+  """float64 G whose mean bin maximum float32 cannot hold: nothing is sent, R is kept and
+  the payload decodes to NaN, as for a non-finite G."""
+  grad = np.array([1e300, 1.0], np.float64)
+  residue = np.array([0.5, 0.25], np.float64)
+  payload, new_residue = compress_np(grad, residue, 1)
+  np.testing.assert_array_equal(new_residue.numpy(), residue)
+  assert int(payload[0]) == 0
+  assert np.all(np.isnan(adacomp_decompress(payload, [2], tf.float64).numpy()))
 
 
 # ---------------------------------------------------------------------- 9. bad input

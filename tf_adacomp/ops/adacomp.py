@@ -62,15 +62,16 @@ def _compress(grad, residue, bin_size: int, cap: int):
   r = tf.cast(tf.reshape(residue, [-1]), cd)
   g = r + dw
   h = g + dw
-  finite = tf.reduce_all(tf.math.is_finite(g))
 
   bins = -(-n // bin_size)
   padded = tf.pad(g, [[0, bins * bin_size - n]])
   gmax = tf.reduce_max(tf.abs(tf.reshape(padded, [bins, bin_size])), axis=1)
   # One scale per tensor, rounded to the float32 that goes on the wire, so that the
   # receiver decodes exactly the Q subtracted here.
-  scale32 = tf.cast(tf.reduce_mean(gmax), tf.float32) if bins else tf.zeros([], tf.float32)
+  scale32 = _mean_as_float32(gmax) if bins else tf.zeros([], tf.float32)
   scale = tf.cast(scale32, cd)
+  # A non-finite G, or a scale that float32 cannot hold, sends nothing and keeps R.
+  finite = tf.reduce_all(tf.math.is_finite(g)) & tf.math.is_finite(scale32)
   threshold = tf.reshape(tf.broadcast_to(gmax[:, None], [bins, bin_size]), [-1])[:n]
   selected = (tf.abs(h) >= threshold) & tf.not_equal(g, 0) & finite
 
@@ -102,6 +103,15 @@ def _compress(grad, residue, bin_size: int, cap: int):
   body = tf.bitcast(bitpack.pack(codes, bits), tf.int32)
   payload = tf.concat([header, tf.reshape(body, [-1])], axis=0)
   return payload, tf.reshape(tf.cast(new_residue, residue.dtype), residue.shape)
+
+
+def _mean_as_float32(values):
+  """Mean of non-negative values, in float64 and scaled by their maximum so that the sum
+  cannot overflow, rounded to float32 (inf when the mean exceeds float32's range)."""
+  values = tf.cast(values, tf.float64)
+  top = tf.reduce_max(values)
+  safe_top = tf.where(top > 0, top, tf.ones_like(top))
+  return tf.cast(safe_top * tf.reduce_mean(values / safe_top), tf.float32)
 
 
 def _flat_mask(words, n: int):
