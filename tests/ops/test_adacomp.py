@@ -678,3 +678,19 @@ def test_decode_payload_of_other_shape_is_nan():
 
 def test_decompress_short_payload():
   _expect(ValueError, lambda: adacomp_decompress(tf.zeros([2], tf.int32), [4]), "payload")
+
+
+# ------------------------------------------------------------- encoder slot tiers
+
+
+@pytest.mark.parametrize("max_density", [1.0, 0.25])
+@pytest.mark.parametrize("residue_scale,expect_small_tier", [(20.0, True), (0.0, False)])
+def test_sparse_and_dense_selections_use_either_encoder_tier(
+    max_density, residue_scale, expect_small_tier):
+  """A built-up residue selects < 1/16 of the elements (the small encoder tier); a
+  first step (zero residue) selects more (the full-capacity tier). Both match NumPy."""
+  rng = np.random.default_rng(7)
+  grad = rng.standard_normal(20000).astype(np.float32)
+  residue = (residue_scale * rng.standard_normal(20000)).astype(np.float32)
+  payload, _, _, _ = check_against_reference(grad, residue, 50, max_density)
+  assert (int(payload[0]) <= 20000 / 16) == expect_small_tier

@@ -30,6 +30,8 @@ from tf_adacomp.ops import checks
 from tf_adacomp.ops import compaction
 
 HEADER_WORDS = 3
+# Smaller encoder tiers, as fractions 1/d of the elements (see _packed_codes).
+SLOT_TIERS = (16,)
 
 
 def index_bits(num_elements: int) -> int:
@@ -63,46 +65,85 @@ def _compress(grad, residue, bin_size: int, cap: int):
   g = r + dw
   h = g + dw
 
-  bins = -(-n // bin_size)
-  padded = tf.pad(g, [[0, bins * bin_size - n]])
-  gmax = tf.reduce_max(tf.abs(tf.reshape(padded, [bins, bin_size])), axis=1)
+  # NaN is counted as inf, so that the bin maxima reveal any non-finite element of G
+  # without a separate pass over it (XLA's max does not propagate NaN).
+  gmax = _bin_maxima(tf.where(tf.math.is_nan(g), tf.constant(float("inf"), cd), tf.abs(g)),
+                     bin_size)
   # One scale per tensor, rounded to the float32 that goes on the wire, so that the
   # receiver decodes exactly the Q subtracted here.
-  scale32 = _mean_as_float32(gmax) if bins else tf.zeros([], tf.float32)
+  scale32 = _mean_as_float32(gmax) if n else tf.zeros([], tf.float32)
   scale = tf.cast(scale32, cd)
-  # A non-finite G, or a scale that float32 cannot hold, sends nothing and keeps R.
-  finite = tf.reduce_all(tf.math.is_finite(g)) & tf.math.is_finite(scale32)
-  threshold = tf.reshape(tf.broadcast_to(gmax[:, None], [bins, bin_size]), [-1])[:n]
-  selected = (tf.abs(h) >= threshold) & tf.not_equal(g, 0) & finite
+  # A non-finite G or a scale that float32 cannot hold: nothing is sent and R is kept.
+  finite = tf.math.is_finite(scale32) & tf.reduce_all(tf.math.is_finite(gmax))
 
+  element = tf.range(n, dtype=tf.int32)
+  selected = (tf.abs(h) >= tf.gather(gmax, element // bin_size)) & tf.not_equal(g, 0) & finite
   blocks = compaction.blocks_for(n)
   words = compaction.pack_mask(compaction.to_columns(selected, blocks))
-  positions, count, total = compaction.select_positions(words, cap)
+  total = tf.reduce_sum(compaction.popcount(words))
+  count = tf.minimum(total, cap)
 
-  def residue_for(sent):
-    return tf.where(sent, g - tf.where(g < 0, -scale, scale), g)
+  if cap < n:
+    # When more is selected than the payload holds, what is left out stays in R.
+    words = compaction.kept_words(words, cap)
+  sent = tf.reshape(compaction.unpack_mask(words), [-1])[:n]
+  q = tf.where(g < 0, -scale, scale)
+  new_residue = tf.where(finite, tf.where(sent, g - q, g), r)
 
-  if cap >= n:
-    new_residue = residue_for(selected)
-  else:
-    # Only when more is selected than the payload holds: what is left out stays in R.
-    new_residue = tf.cond(
-        total > cap,
-        lambda: residue_for(_flat_mask(compaction.kept_words(words, cap), n)),
-        lambda: residue_for(selected))
-  new_residue = tf.where(finite, new_residue, r)
-
-  negative = tf.cast(tf.gather(g, positions) < 0, tf.uint32) if cap else tf.zeros([0], tf.uint32)
-  codes = tf.bitwise.bitwise_or(tf.bitwise.left_shift(tf.cast(positions, tf.uint32), 1), negative)
   nan = tf.constant(float("nan"), tf.float32)
   header = tf.stack([
       count,
       tf.bitcast(tf.where(finite, scale32, nan), tf.int32),
       tf.constant(bits, tf.int32),
   ])
-  body = tf.bitcast(bitpack.pack(codes, bits), tf.int32)
-  payload = tf.concat([header, tf.reshape(body, [-1])], axis=0)
+  payload = tf.concat([header, _packed_codes(words, r, dw, cap, total, bits)], axis=0)
   return payload, tf.reshape(tf.cast(new_residue, residue.dtype), residue.shape)
+
+
+def _bin_maxima(magnitude, bin_size: int):
+  """Maximum of each run of ``bin_size`` elements (the last run may be short)."""
+  n = int(magnitude.shape[0])
+  full = n // bin_size
+  parts = []
+  if full:
+    parts.append(tf.reduce_max(tf.reshape(magnitude[:full * bin_size], [full, bin_size]), 1))
+  if n % bin_size:
+    parts.append(tf.reduce_max(magnitude[full * bin_size:], keepdims=True))
+  return tf.concat(parts, 0) if len(parts) > 1 else (parts[0] if parts else magnitude)
+
+
+def _packed_codes(words, r, dw, cap: int, total, bits: int):
+  """The bit-packed codes of the sent elements, as int32 words for ``cap`` codes.
+
+  Compaction and packing cost grows with the number of slots, and AdaComp usually
+  selects a few percent of a tensor: the smallest tier (1/16 of the elements, or the
+  capacity) that holds the selection is the one encoded, and the rest of the
+  buffer is zeros.
+  """
+  full_words = bitpack.packed_words(cap, bits)
+
+  def encode(slots):
+    positions, _, _ = compaction.select_positions(words, slots)
+    # G at the sent positions, recomputed from its two terms (the same float addition)
+    # so that XLA need not keep the whole of G in memory for this.
+    negative = tf.cast(tf.gather(r, positions) + tf.gather(dw, positions) < 0, tf.uint32)
+    codes = tf.bitwise.bitwise_or(
+        tf.bitwise.left_shift(tf.cast(positions, tf.uint32), 1), negative)
+    packed = tf.bitcast(bitpack.pack(codes, bits), tf.int32)
+    return tf.pad(tf.reshape(packed, [-1]), [[0, full_words - int(packed.shape[0])]])
+
+  if cap == 0:
+    return tf.zeros([0], tf.int32)
+  n = int(r.shape[0])
+  tiers = sorted({min(cap, -(-n // d)) for d in SLOT_TIERS} | {cap})
+
+  def smallest_tier_from(i):
+    if i == len(tiers) - 1:
+      return encode(tiers[i])
+    return tf.cond(total <= tiers[i], lambda: encode(tiers[i]),
+                   lambda: smallest_tier_from(i + 1))
+
+  return smallest_tier_from(0)
 
 
 def _mean_as_float32(values):
@@ -112,11 +153,6 @@ def _mean_as_float32(values):
   top = tf.reduce_max(values)
   safe_top = tf.where(top > 0, top, tf.ones_like(top))
   return tf.cast(safe_top * tf.reduce_mean(values / safe_top), tf.float32)
-
-
-def _flat_mask(words, n: int):
-  """The flat bool mask of ``n`` elements held by ``pack_mask`` words."""
-  return tf.reshape(compaction.unpack_mask(words), [-1])[:n]
 
 
 def _decompress(payload, shape: tf.TensorShape, dtype: tf.DType):
