@@ -78,6 +78,9 @@ def main():
   parser.add_argument("--bin_sizes", default="50,500")
   parser.add_argument("--max_densities", default=f"{tf_adacomp.AdaComp().max_density},1.0",
                       help="payload capacities to measure (the compressor default first)")
+  parser.add_argument("--full_capacity_limit", default="16M",
+                      help="skip max_density=1.0 above this many elements (memory: its "
+                      "payload buffers are larger than the tensor)")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--json", default="out/kernels.json")
   args = parser.parse_args()
@@ -92,6 +95,8 @@ def main():
     n = _parse_size(size)
     for bin_size in map(int, args.bin_sizes.split(",")):
       for density in map(float, args.max_densities.split(",")):
+        if density == 1.0 and n > _parse_size(args.full_capacity_limit):
+          continue
         r = bench(n, bin_size, density, args.repeats)
         rows.append(r)
         print(f"{n:>10} {bin_size:>4} {density:>5.3g} {100 * r['selected'] / n:>6.2f} "

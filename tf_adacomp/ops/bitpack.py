@@ -79,7 +79,9 @@ def unpack(words: tf.Tensor, count: int, bits: int) -> tf.Tensor:
   """
   if count == 0:
     return tf.zeros([0], tf.uint32)
-  start = np.arange(count, dtype=np.int64) * bits
+  # Computed in the graph, not as NumPy constants: a constant per code would be
+  # embedded in the compiled program (gigabytes for tensors of tens of millions).
+  start = tf.range(count, dtype=tf.int64) * bits
   first = start // 32
   # One guard word so that the "next word" of the last code always exists.
   wide = tf.cast(tf.concat([words, tf.zeros([1], words.dtype)], 0), tf.uint64)
@@ -88,5 +90,5 @@ def unpack(words: tf.Tensor, count: int, bits: int) -> tf.Tensor:
   both = tf.bitwise.bitwise_or(lo, tf.bitwise.left_shift(hi, tf.constant(32, tf.uint64)))
   mask = tf.constant((1 << bits) - 1, tf.uint64)
   codes = tf.bitwise.bitwise_and(
-      tf.bitwise.right_shift(both, tf.constant(start % 32, tf.uint64)), mask)
+      tf.bitwise.right_shift(both, tf.cast(start % 32, tf.uint64)), mask)
   return tf.cast(codes, tf.uint32)
