@@ -70,6 +70,9 @@ class AdaComp(base.Compressor):
   def _decompress(self, payload, plan):
     return adacomp_ops.adacomp_decompress(payload, plan.shape, plan.dtype)
 
+  def payload_width(self, plan):
+    return adacomp_ops.payload_words(plan.num_elements, self.max_density)
+
   def _payload_nbytes(self, payload, plan):
     return adacomp_ops.payload_nbytes(payload)
 

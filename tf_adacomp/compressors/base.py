@@ -178,6 +178,10 @@ class Compressor(abc.ABC):
       return tf.constant(payload.shape.num_elements() * payload.dtype.size, tf.int64)
     return self._payload_nbytes(payload, plan)
 
+  def payload_width(self, plan: TensorPlan) -> int:
+    """Static length of one replica's (flat) payload for a non-summable plan."""
+    raise NotImplementedError(f"{type(self).__name__} has no compact payload.")
+
   @abc.abstractmethod
   def _compress(self, grad, state, plan):
     ...

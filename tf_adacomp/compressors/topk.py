@@ -41,6 +41,9 @@ class TopK(base.Compressor):
   def _decompress(self, payload, plan):
     return topk_ops.topk_decompress(payload, plan.shape, self.density, plan.dtype)
 
+  def payload_width(self, plan):
+    return topk_ops.topk_payload_words(plan.num_elements, self.density)
+
   def _payload_nbytes(self, payload, plan):
     payload = tf.convert_to_tensor(payload)
     return tf.constant(4 * int(payload.shape[-1]), tf.int64)
