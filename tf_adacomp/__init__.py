@@ -4,11 +4,15 @@ Public API (a flat list, as in Keras and optax):
 
 - compressors: ``AdaComp``, ``TopK``, ``FP16``, ``BF16``, ``NoCompression``, the
   ``Compressor`` base class, ``TensorPlan``, ``get_compressor``, ``serialize_compressor``;
+- distribution: ``CompressedAllReduce`` (cross-device ops for ``MirroredStrategy``),
+  ``CompressedOptimizer`` (a Keras optimizer wrapper, any strategy);
 - kernels: ``tf_adacomp.ops`` (``adacomp_compress``, ``adacomp_decompress``,
   ``payload_nbytes``).
 """
 
 from tf_adacomp import ops
+from tf_adacomp.cross_device_ops import CompressedAllReduce
+from tf_adacomp.optimizer import CompressedOptimizer
 from tf_adacomp.compressors import AdaComp
 from tf_adacomp.compressors import BF16
 from tf_adacomp.compressors import Compressor
@@ -26,6 +30,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AdaComp",
     "BF16",
+    "CompressedAllReduce",
+    "CompressedOptimizer",
     "Compressor",
     "FP16",
     "NoCompression",

@@ -1,0 +1,167 @@
+"""CompressedAllReduce under MirroredStrategy with 4 logical CPU devices."""
+
+import copy
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_adacomp
+import digits_data
+
+DEVICES = [f"/cpu:{i}" for i in range(4)]
+
+
+def _strategy(ops=None):
+  return tf.distribute.MirroredStrategy(DEVICES, cross_device_ops=ops)
+
+
+def _fit(strategy, epochs=2, seed=0):
+  (x, y), _ = digits_data.flat()
+  with strategy.scope():
+    model = digits_data.mlp(seed)
+  model.fit(x[:1024], y[:1024], batch_size=64, epochs=epochs, verbose=0, shuffle=False)
+  return model
+
+
+def test_no_compression_trains_like_plain_mirrored_strategy():
+  plain = _fit(_strategy())
+  ops = tf_adacomp.CompressedAllReduce("none")
+  compressed = _fit(_strategy(ops))
+  for a, b in zip(plain.get_weights(), compressed.get_weights()):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  dense_kernel = [v for k, v in ops.bytes_sent().items() if k.endswith("64x64_float32")]
+  assert dense_kernel == [64 * 64 * 4]
+
+
+def test_adacomp_replicas_stay_bit_identical_and_residues_persist():
+  ops = tf_adacomp.CompressedAllReduce(tf_adacomp.AdaComp())
+  model = _fit(_strategy(ops), epochs=1)
+  for variable in model.trainable_variables:
+    copies = [v.numpy() for v in variable.value.values]
+    assert len(copies) == 4
+    for other in copies[1:]:
+      np.testing.assert_array_equal(copies[0], other)
+  kernel_key = next(k for k in ops.residues if k.endswith("64x64_float32"))
+  residues = [vs[0].numpy() for vs in ops.residues[kernel_key]]
+  assert all(np.abs(r).sum() > 0 for r in residues)  # error feedback is held per device
+  assert not np.array_equal(residues[0], residues[1])  # each device has its own
+  assert 0 < ops.bytes_sent()[kernel_key] < 64 * 64 * 4 / 20
+
+
+def test_residues_survive_a_checkpoint_round_trip(tmp_path):
+  ops = tf_adacomp.CompressedAllReduce("adacomp")
+  strategy = _strategy(ops)
+  _fit(strategy, epochs=1)
+  saved = {k: [vs[0].numpy() for vs in v] for k, v in ops.residues.items()}
+  path = tf.train.Checkpoint(ops=ops).save(str(tmp_path / "ckpt"))
+  for per_device in ops.residues.values():
+    for state in per_device:
+      state[0].assign(tf.zeros_like(state[0]))
+  tf.train.Checkpoint(ops=ops).restore(path).assert_consumed()
+  for key, values in saved.items():
+    for state, value in zip(ops.residues[key], values):
+      np.testing.assert_array_equal(state[0].numpy(), value)
+
+
+@pytest.mark.parametrize("reduce_op", [tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN])
+def test_custom_loop_all_reduce_of_floats_ints_and_indexed_slices(reduce_op):
+  ops = tf_adacomp.CompressedAllReduce("adacomp", min_size=0)
+  strategy = _strategy(ops)
+  rng = np.random.default_rng(0)
+  grads = rng.standard_normal([4, 600]).astype(np.float32)
+
+  @tf.function
+  def step():
+    def replica_fn():
+      ctx = tf.distribute.get_replica_context()
+      r = ctx.replica_id_in_sync_group
+      grad = tf.gather(tf.constant(grads), r)
+      counts = tf.fill([3], tf.cast(r, tf.int64) + 1)  # int32 would bypass the ops entirely
+      sparse = tf.IndexedSlices(tf.ones([1, 2]) * tf.cast(r, tf.float32), tf.reshape(r, [1]),
+                                tf.constant([4, 2]))
+      return ctx.all_reduce(reduce_op, [grad, counts, sparse])
+    return strategy.run(replica_fn)
+
+  grad_sum, counts, sparse = [strategy.experimental_local_results(v) for v in step()]
+  divide = 4 if reduce_op == tf.distribute.ReduceOp.MEAN else 1
+  # The compressed float: each device gets the same decoded sum of the 4 payloads.
+  expected = sum(tf_adacomp.ops.adacomp_decompress(
+      tf_adacomp.ops.adacomp_compress(g, tf.zeros_like(g), 500)[0], [600]) for g in grads)
+  for value in grad_sum:
+    np.testing.assert_allclose(value.numpy(), expected.numpy() / divide, rtol=1e-6)
+    np.testing.assert_array_equal(value.numpy(), grad_sum[0].numpy())
+  # Integers and IndexedSlices are reduced exactly.
+  np.testing.assert_allclose(counts[0].numpy(), np.full([3], 10 / divide))  # as TF reduces
+  dense = tf.convert_to_tensor(sparse[0]).numpy()
+  np.testing.assert_allclose(dense[:, 0], np.array([0, 1, 2, 3]) / divide)
+
+
+def test_only_compact_payloads_cross_devices():
+  """Every tensor that one device's op reads from another device is int32 (payloads
+  and lengths) or a scalar: no gradient-sized float tensor crosses devices."""
+  ops = tf_adacomp.CompressedAllReduce("adacomp", min_size=0)
+  strategy = _strategy(ops)
+
+  @tf.function
+  def step():
+    def replica_fn():
+      ctx = tf.distribute.get_replica_context()
+      # Made on the replica's own device, so that only the reduction moves data.
+      grad = tf.random.stateless_normal([256, 64], [ctx.replica_id_in_sync_group, 0])
+      return ctx.all_reduce(tf.distribute.ReduceOp.SUM, grad)
+    return strategy.run(replica_fn)
+
+  graph = step.get_concrete_function().graph
+  crossing = []
+  for op in graph.get_operations():
+    for tensor in op.inputs:
+      if op.device and tensor.op.device and tf.DeviceSpec.from_string(op.device) != \
+          tf.DeviceSpec.from_string(tensor.op.device):
+        crossing.append(tensor)
+  assert crossing, "expected payload copies between devices"
+  for tensor in crossing:
+    if tensor.dtype.is_floating:
+      assert tensor.shape.num_elements() is not None and tensor.shape.num_elements() <= 1, tensor
+  assert any(t.dtype == tf.int32 and t.shape.rank == 1 for t in crossing)
+  step()
+  assert 0 < max(ops.bytes_sent().values()) < 256 * 64 * 4 / 8
+
+
+def test_warm_up_steps_are_exact():
+  ops = tf_adacomp.CompressedAllReduce("adacomp", start_step=2, min_size=0)
+  strategy = _strategy(ops)
+  grads = tf.random.normal([4, 1000])
+
+  @tf.function
+  def step():
+    def replica_fn():
+      ctx = tf.distribute.get_replica_context()
+      return ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                            tf.gather(grads, ctx.replica_id_in_sync_group))
+    return strategy.run(replica_fn)
+
+  exact = tf.reduce_sum(grads, 0).numpy()
+  for _ in range(2):
+    np.testing.assert_allclose(strategy.experimental_local_results(step())[0], exact, rtol=1e-5)
+  third = strategy.experimental_local_results(step())[0].numpy()
+  assert np.count_nonzero(third) < 1000  # compressed from now on
+
+
+def test_deepcopy_gives_an_equal_configuration_without_state():
+  ops = tf_adacomp.CompressedAllReduce(tf_adacomp.TopK(0.1), start_step=3)
+  _fit(_strategy(ops), epochs=1)
+  copied = copy.deepcopy(ops)
+  assert copied.compressor == ops.compressor and copied.start_step == 3
+  assert copied.residues == {} and ops.residues
+  strategy = copy.deepcopy(_strategy(ops))
+  assert isinstance(strategy.extended._cross_device_ops, tf_adacomp.CompressedAllReduce)  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"compressor": "zip"}, "identifier='zip'"), ({"start_step": -1}, "start_step=-1"),
+    ({"min_size": -2}, "min_size=-2")])
+def test_bad_arguments(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    tf_adacomp.CompressedAllReduce(**kwargs)
