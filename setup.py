@@ -14,6 +14,7 @@ setup(
         "tensorflow>=2.16",
         "keras>=3.0",
         "absl-py",
+        "tensorboard",  # tf.summary, for CompressionStats(log_dir=...)
         "numpy",
     ],
     extras_require={

@@ -11,6 +11,7 @@ Public API (a flat list, as in Keras and optax):
 """
 
 from tf_adacomp import ops
+from tf_adacomp.callbacks import CompressionStats
 from tf_adacomp.cross_device_ops import CompressedAllReduce
 from tf_adacomp.optimizer import CompressedOptimizer
 from tf_adacomp.compressors import AdaComp
@@ -32,6 +33,7 @@ __all__ = [
     "BF16",
     "CompressedAllReduce",
     "CompressedOptimizer",
+    "CompressionStats",
     "Compressor",
     "FP16",
     "NoCompression",

@@ -26,6 +26,7 @@ from tensorflow.python.distribute import distribute_utils
 from tensorflow.python.distribute import values as values_lib
 from tensorflow.python.ops import resource_variable_ops
 
+from tf_adacomp import stats
 from tf_adacomp.compressors import registry
 from tf_adacomp.ops import adacomp as adacomp_ops
 
@@ -61,6 +62,7 @@ class CompressedAllReduce(cross_device_ops_lib.CrossDeviceOps, tf.Module):
     self.residues = {}   # key -> [per device: [state variables]]
     self.steps = {}      # key -> int64 variable: reductions done
     self.nbytes = {}     # key -> int64 variable: bytes one device sent last time
+    self._plans = {}     # key -> TensorPlan (static, not checkpointed)
 
   def __deepcopy__(self, memo):
     # Strategies deep-copy their cross-device ops; the copy starts with no residues.
@@ -93,6 +95,7 @@ class CompressedAllReduce(cross_device_ops_lib.CrossDeviceOps, tf.Module):
     components = value.values
     first = components[0]
     plan = self.compressor.plan(first.shape, first.dtype, name=key)
+    self._plans[key] = plan
     devices = [c.device for c in components]
     residues = self._variables_for(key, plan, devices)
     targets = cross_device_ops_lib.get_devices_from(destinations)
@@ -177,6 +180,10 @@ class CompressedAllReduce(cross_device_ops_lib.CrossDeviceOps, tf.Module):
   def bytes_sent(self):
     """``{key: bytes one device sent for that tensor in its last reduction}``."""
     return {key: int(v.numpy()) for key, v in self.nbytes.items()}
+
+  def compression_stats(self):
+    """Bytes of the last reduction per tensor kind and in total (see ``stats``)."""
+    return stats.summarize([(self._plans[k], n) for k, n in self.bytes_sent().items()])
 
 
 def _compressible(value) -> bool:

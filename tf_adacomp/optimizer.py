@@ -17,6 +17,7 @@ import tensorflow as tf
 from keras.src.saving import serialization_lib
 
 from tf_adacomp import collectives
+from tf_adacomp import stats
 from tf_adacomp.compressors import registry
 
 _BASE_ARGUMENTS = ("weight_decay", "clipnorm", "global_clipnorm", "clipvalue", "use_ema",
@@ -115,7 +116,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     grads, trainable_variables = list(grads), list(trainable_variables)
     indices = [self._get_variable_index(v) for v in trainable_variables]
     plans = [self.plans[i] for i in indices]
-    states = [tuple(r.value for r in self.residues[i]) for i in indices]
+    states = [tuple(tf.convert_to_tensor(r.value) for r in self.residues[i]) for i in indices]
     dense = self.iterations < self.start_step if self.start_step else None
 
     exchanged = collectives.replica_exchange(self.compressor, plans, grads, states, dense)
@@ -180,25 +181,10 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
   # --- Statistics and serialization -----------------------------------------------
 
   def compression_stats(self):
-    """Bytes of the last step, per variable kind and in total, as Python numbers.
-
-    Returns:
-      ``{kind: {"dense_bytes", "sent_bytes", "ratio"}}`` plus ``"total"``; bytes are
-      what one replica sends per step (dense = the float32 gradient).
-    """
+    """Bytes of the last step per variable kind and in total (see ``stats``)."""
     if not self.built:
       return {}
-    sent = self.bytes_sent.numpy()
-    stats = {}
-    for plan, nbytes in zip(self.plans, sent):
-      for kind in (plan.kind, "total"):
-        entry = stats.setdefault(kind, {"dense_bytes": 0, "sent_bytes": 0})
-        entry["dense_bytes"] += plan.dense_nbytes
-        entry["sent_bytes"] += int(nbytes)
-    for entry in stats.values():
-      entry["ratio"] = (entry["dense_bytes"] / entry["sent_bytes"] if entry["sent_bytes"]
-                        else float("nan"))
-    return stats
+    return stats.summarize(list(zip(self.plans, self.bytes_sent.numpy())))
 
   def get_config(self):
     return {

@@ -27,11 +27,11 @@ def float_dtype(value, name: str) -> tf.DType:
 
 def float_tensor(value, name: str) -> tf.Tensor:
   """Converts ``value`` to a tensor with a static shape and a floating-point dtype."""
-  if not tf.is_tensor(value):
-    value = tf.convert_to_tensor(value)
   if isinstance(value, (tf.SparseTensor, tf.IndexedSlices)):
     raise TypeError(f"`{name}` must be a dense tensor. Received: {name} of type "
                     f"{type(value).__name__}")
+  # A variable is read here: the compiled kernels take values, never variables.
+  value = tf.convert_to_tensor(value)
   float_dtype(value.dtype, name)
   static_shape(value.shape, name)
   return value

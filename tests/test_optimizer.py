@@ -1,0 +1,231 @@
+"""CompressedOptimizer: no strategy and MirroredStrategy on 4 logical CPU devices."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import digits_data
+import tf_adacomp
+
+DEVICES = [f"/cpu:{i}" for i in range(4)]
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _sgd():
+  return keras.optimizers.SGD(0.1, momentum=0.9)
+
+
+def _fit(optimizer, strategy=None, epochs=1, steps=None, callbacks=None, seed=0):
+  """Trains the digits MLP; ``optimizer`` is a factory (optimizers belong to a strategy)."""
+  (x, y), _ = digits_data.flat()
+  scope = strategy.scope() if strategy else tf.name_scope("no_strategy")
+  with scope:
+    model = digits_data.mlp(seed, optimizer())
+  model.fit(x[:1024], y[:1024], batch_size=64, epochs=epochs, verbose=0, shuffle=False,
+            steps_per_epoch=steps, callbacks=callbacks)
+  return model
+
+
+@pytest.mark.parametrize("use_strategy", [False, True])
+def test_no_compression_matches_the_inner_optimizer(use_strategy):
+  strategy = (lambda: tf.distribute.MirroredStrategy(DEVICES)) if use_strategy else (lambda: None)
+  plain = _fit(_sgd, strategy())
+  wrapped = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "none"), strategy())
+  for a, b in zip(plain.get_weights(), wrapped.get_weights()):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_adacomp_keeps_replicas_identical_and_residues_per_replica():
+  strategy = tf.distribute.MirroredStrategy(DEVICES)
+  model = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "adacomp"), strategy, steps=10)
+  for variable in model.trainable_variables:
+    copies = [v.numpy() for v in variable.value.values]
+    for other in copies[1:]:
+      np.testing.assert_array_equal(copies[0], other)
+  optimizer = model.optimizer
+  kernel_residue = optimizer.residues[0][0].value
+  per_replica = [v.numpy() for v in kernel_residue.values]
+  assert all(np.abs(r).sum() > 0 for r in per_replica)
+  assert not np.array_equal(per_replica[0], per_replica[1])
+  assert optimizer.iterations.numpy() == 10
+  stats = optimizer.compression_stats()
+  assert stats["dense"]["ratio"] > 50 and stats["total"]["sent_bytes"] > 0
+
+
+def _residue_values(optimizer):
+  return [[c.numpy() for c in r.value.values] if hasattr(r.value, "values") else [r.numpy()]
+          for state in optimizer.residues for r in state]
+
+
+def test_residues_survive_model_save_and_checkpoint(tmp_path):
+  model = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "adacomp"), steps=5)
+  residues = _residue_values(model.optimizer)
+  assert any(np.abs(r[0]).sum() > 0 for r in residues)
+  path = str(tmp_path / "model.keras")
+  model.save(path)
+  loaded = keras.saving.load_model(path)
+  assert isinstance(loaded.optimizer, tf_adacomp.CompressedOptimizer)
+  assert loaded.optimizer.compressor == model.optimizer.compressor
+  for a, b in zip(residues, _residue_values(loaded.optimizer)):
+    np.testing.assert_array_equal(a[0], b[0])
+  checkpoint = tf.train.Checkpoint(optimizer=model.optimizer)
+  saved = checkpoint.save(str(tmp_path / "ckpt"))
+  for state in model.optimizer.residues:
+    for r in state:
+      r.assign(tf.zeros_like(r))
+  checkpoint.restore(saved)
+  for a, b in zip(residues, _residue_values(model.optimizer)):
+    np.testing.assert_array_equal(a[0], b[0])
+
+
+def test_a_non_finite_step_changes_neither_residues_nor_weights():
+  strategy = tf.distribute.MirroredStrategy(DEVICES)
+  (x, y), _ = digits_data.flat()
+  with strategy.scope():
+    model = digits_data.mlp(0, tf_adacomp.CompressedOptimizer(_sgd(), "adacomp"))
+  model.fit(x[:256], y[:256], batch_size=64, epochs=1, verbose=0)
+  weights = model.get_weights()
+  residues = _residue_values(model.optimizer)
+  iterations = int(model.optimizer.iterations.numpy())
+
+  @tf.function
+  def poisoned_step(x, y):
+    def replica_fn(x, y):
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(LOSS(y, model(x, training=True)))
+      grads = tape.gradient(loss, model.trainable_variables)
+      # Replica 2 overflows (as float16 gradients would): only it sees inf.
+      bad = tf.equal(tf.distribute.get_replica_context().replica_id_in_sync_group, 2)
+      grads = [tf.where(bad, tf.fill(g.shape, np.inf), g) for g in grads]
+      model.optimizer.apply(grads, model.trainable_variables)
+    strategy.run(replica_fn, args=(x, y))
+
+  dataset = strategy.experimental_distribute_dataset(
+      tf.data.Dataset.from_tensor_slices((x[:64], y[:64])).batch(64))
+  poisoned_step(*next(iter(dataset)))
+  for a, b in zip(weights, model.get_weights()):
+    np.testing.assert_array_equal(a, b)
+  for a, b in zip(residues, _residue_values(model.optimizer)):
+    for ra, rb in zip(a, b):
+      np.testing.assert_array_equal(ra, rb)
+  assert int(model.optimizer.iterations.numpy()) == iterations
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_trains(policy):
+  keras.mixed_precision.set_global_policy(policy)
+  try:
+    strategy = tf.distribute.MirroredStrategy(DEVICES)
+    model = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "adacomp"), strategy, epochs=2)
+  finally:
+    keras.mixed_precision.set_global_policy("float32")
+  if policy == "mixed_float16":
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+  (_, _), (x_test, y_test) = digits_data.flat()
+  accuracy = np.mean(np.argmax(model.predict(x_test, verbose=0), -1) == y_test)
+  assert accuracy > 0.8
+
+
+def test_adacomp_with_4_replicas_is_within_2_percent_of_dense_on_digits():
+  (x, y), (x_test, y_test) = digits_data.flat()
+  accuracy = {}
+  for name in ("none", "adacomp"):
+    strategy = tf.distribute.MirroredStrategy(DEVICES)
+    with strategy.scope():
+      model = digits_data.mlp(0, tf_adacomp.CompressedOptimizer(_sgd(), name))
+    model.fit(x, y, batch_size=64, epochs=20, verbose=0)  # 460 steps
+    accuracy[name] = np.mean(np.argmax(model.predict(x_test, verbose=0), -1) == y_test)
+  assert accuracy["none"] > 0.95
+  assert accuracy["adacomp"] >= accuracy["none"] - 0.02, accuracy
+
+
+def _record_exchanges(monkeypatch):
+  """Records what replicas hand to ReplicaContext.all_reduce / all_gather: everything
+  the optimizer exchanges between replicas goes through these two."""
+  seen = []
+  context = tf.distribute.ReplicaContext
+  original_reduce, original_gather = context.all_reduce, context.all_gather
+
+  def all_reduce(self, reduce_op, value, options=None):
+    seen.extend(("reduce", t.dtype, t.shape) for t in tf.nest.flatten(value))
+    return original_reduce(self, reduce_op, value, options)
+
+  def all_gather(self, value, axis, options=None):
+    seen.extend(("gather", t.dtype, t.shape) for t in tf.nest.flatten(value))
+    return original_gather(self, value, axis, options)
+
+  monkeypatch.setattr(context, "all_reduce", all_reduce)
+  monkeypatch.setattr(context, "all_gather", all_gather)
+  return seen
+
+
+def test_only_compressed_payloads_are_exchanged(monkeypatch):
+  seen = _record_exchanges(monkeypatch)
+  strategy = tf.distribute.MirroredStrategy(DEVICES)
+  _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "adacomp"), strategy, steps=2)
+  gathered = [s for s in seen if s[0] == "gather"]
+  assert gathered and all(dtype == tf.int32 for _, dtype, _ in gathered)
+  assert not [s for s in seen if s[1].is_floating and (s[2].num_elements() or 2) > 1], seen
+  # With no compression, the same step all-reduces the float32 gradients themselves.
+  seen.clear()
+  strategy = tf.distribute.MirroredStrategy(DEVICES)
+  _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "none"), strategy, steps=2)
+  assert ("reduce", tf.float32, tf.TensorShape([64, 64])) in seen
+
+
+def test_warm_up_sends_dense_then_compresses():
+  strategy = tf.distribute.MirroredStrategy(DEVICES)
+  (x, y), _ = digits_data.flat()
+  with strategy.scope():
+    model = digits_data.mlp(0, tf_adacomp.CompressedOptimizer(_sgd(), "adacomp", start_step=3))
+  ratios = []
+
+  class Record(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+      ratios.append(model.optimizer.compression_stats()["dense"]["ratio"])
+
+  model.fit(x[:320], y[:320], batch_size=64, epochs=1, verbose=0, callbacks=[Record()])
+  assert all(r < 1.01 for r in ratios[:3])  # dense float32 (+ the length words)
+  assert all(r > 20 for r in ratios[3:])
+  assert all(np.abs(r).sum() > 0 for r in _residue_values(model.optimizer)[0])
+
+
+def test_stats_callback_logs_ratios(tmp_path):
+  model = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "adacomp"), steps=4,
+               callbacks=[tf_adacomp.CompressionStats(log_dir=str(tmp_path / "tb"))])
+  history = model.history.history
+  assert history["compression_ratio"][0] > 20
+  assert history["compression_ratio_dense"][0] > history["compression_ratio_vector"][0]
+  assert history["bytes_sent"][0] > 0
+  assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_stats_callback_reads_compressed_all_reduce():
+  ops = tf_adacomp.CompressedAllReduce("adacomp")
+  strategy = tf.distribute.MirroredStrategy(DEVICES, cross_device_ops=ops)
+  model = _fit(_sgd, strategy, steps=3, callbacks=[tf_adacomp.CompressionStats()])
+  assert model.history.history["compression_ratio"][0] > 20
+
+
+def test_config_round_trip():
+  optimizer = tf_adacomp.CompressedOptimizer(
+      keras.optimizers.Adam(0.01), tf_adacomp.TopK(0.05), start_step=7, name="comp")
+  restored = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
+  assert isinstance(restored, tf_adacomp.CompressedOptimizer)
+  assert restored.compressor == tf_adacomp.TopK(0.05)
+  assert restored.start_step == 7 and restored.name == "comp"
+  assert isinstance(restored.inner_optimizer, keras.optimizers.Adam)
+  assert float(restored.learning_rate.numpy()) == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"inner_optimizer": "sgd"}, TypeError, "inner_optimizer='sgd'"),
+    ({"compressor": "gzip"}, ValueError, "identifier='gzip'"),
+    ({"start_step": -1}, ValueError, "start_step=-1"),
+    ({"clipnorm": 1.0}, ValueError, "clipnorm"),
+])
+def test_bad_arguments(kwargs, error, match):
+  kwargs = {"inner_optimizer": _sgd(), **kwargs}
+  with pytest.raises(error, match=match):
+    tf_adacomp.CompressedOptimizer(**kwargs)

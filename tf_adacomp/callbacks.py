@@ -1,0 +1,89 @@
+"""A Keras callback that puts compression statistics into the logs and TensorBoard."""
+
+import keras
+import tensorflow as tf
+
+from tf_adacomp.cross_device_ops import CompressedAllReduce
+from tf_adacomp.optimizer import CompressedOptimizer
+
+
+class CompressionStats(keras.callbacks.Callback):
+  """Logs the compression ratio (dense float32 bytes / bytes sent) of every step.
+
+  Adds to the batch logs (shown by Keras' progress bar) ``compression_ratio``, one
+  ``compression_ratio_<kind>`` per variable kind (conv, dense, recurrent, vector) and
+  ``bytes_sent`` (one replica, one step); the epoch logs (and so ``History`` and
+  Keras' own TensorBoard callback) get their means over the epoch. With ``log_dir``,
+  the per-step values are also written as TensorBoard scalars under ``compression/``.
+
+  Args:
+    source: the ``CompressedOptimizer`` or ``CompressedAllReduce`` to read; by default
+      the model's optimizer (inside a ``LossScaleOptimizer`` too), else its strategy's
+      cross-device ops.
+    log_dir: optional TensorBoard directory for per-step scalars.
+
+  Raises:
+    ValueError: (at the start of training) no compressed exchange is found.
+  """
+
+  def __init__(self, source=None, log_dir=None):
+    super().__init__()
+    self.source = source
+    self.log_dir = log_dir
+    self._writer = None
+    self._epoch = []
+
+  def _find_source(self):
+    optimizer = self.model.optimizer
+    while optimizer is not None:
+      if isinstance(optimizer, CompressedOptimizer):
+        return optimizer
+      optimizer = getattr(optimizer, "inner_optimizer", None)
+    ops = getattr(self.model.distribute_strategy.extended, "_cross_device_ops", None)
+    if isinstance(ops, CompressedAllReduce):
+      return ops
+    raise ValueError("CompressionStats found no CompressedOptimizer or CompressedAllReduce "
+                     f"on the model. Received: source={self.source!r}")
+
+  def on_train_begin(self, logs=None):
+    if self.source is None:
+      self.source = self._find_source()
+    if self.log_dir and self._writer is None:
+      self._writer = tf.summary.create_file_writer(self.log_dir)
+
+  def on_epoch_begin(self, epoch, logs=None):
+    self._epoch = []
+
+  def on_train_batch_end(self, batch, logs=None):
+    values = self.step_values()
+    if not values:
+      return
+    self._epoch.append(values)
+    if logs is not None:
+      logs.update(values)
+    if self._writer is not None:
+      step = int(self.model.optimizer.iterations.numpy())
+      with self._writer.as_default(step=step):
+        for name, value in values.items():
+          tf.summary.scalar(f"compression/{name}", value)
+
+  def on_epoch_end(self, epoch, logs=None):
+    if logs is not None and self._epoch:
+      for name in self._epoch[0]:
+        logs[name] = sum(v[name] for v in self._epoch) / len(self._epoch)
+
+  def on_train_end(self, logs=None):
+    if self._writer is not None:
+      self._writer.flush()
+
+  def step_values(self):
+    """``{log name: value}`` for the last step."""
+    summary = self.source.compression_stats()
+    if not summary:
+      return {}
+    values = {"compression_ratio": summary["total"]["ratio"],
+              "bytes_sent": float(summary["total"]["sent_bytes"])}
+    for kind, entry in summary.items():
+      if kind != "total":
+        values[f"compression_ratio_{kind}"] = entry["ratio"]
+    return values
