@@ -48,7 +48,7 @@ def _dense_bits(grad):
   return tf.bitcast(tf.reshape(tf.cast(grad, tf.float32), [-1]), tf.int32)
 
 
-def _rows(data, lengths, index: int, width: int):
+def _rows(data, lengths, index: int, width: int, replicas: int):
   """The ``[replicas, width]`` payload rows of gradient ``index`` from gathered buffers.
 
   Args:
@@ -56,6 +56,7 @@ def _rows(data, lengths, index: int, width: int):
     lengths: int32 ``[replicas, gradients]``, the words of each trimmed payload.
     index: which gradient.
     width: the static payload length; rows are zero-padded to it.
+    replicas: the number of replicas (collectives may not give it statically).
   """
   replica_start = tf.cumsum(tf.reduce_sum(lengths, axis=1), exclusive=True)
   start = replica_start + tf.cumsum(lengths, axis=1, exclusive=True)[:, index]
@@ -65,7 +66,7 @@ def _rows(data, lengths, index: int, width: int):
   valid = offset < length[:, None]
   rows = tf.where(valid, tf.gather(data, tf.where(valid, start[:, None] + offset, 0)), 0)
   rows = tf.pad(rows, [[0, 0], [0, width - longest]])
-  return tf.ensure_shape(rows, [lengths.shape[0], width])
+  return tf.ensure_shape(rows, [replicas, width])
 
 
 def replica_exchange(compressor: base.Compressor, plans: Sequence[base.TensorPlan],
@@ -123,7 +124,7 @@ def replica_exchange(compressor: base.Compressor, plans: Sequence[base.TensorPla
     all_lengths = ctx.all_gather(lengths[None], axis=0)
     all_data = ctx.all_gather(buffer, axis=0)
     for k, (i, (payload, _)) in enumerate(gathered.items()):
-      rows = _rows(all_data, all_lengths, k, int(payload.shape[0]))
+      rows = _rows(all_data, all_lengths, k, int(payload.shape[0]), ctx.num_replicas_in_sync)
       sums[i] = _decode(compressor, rows, plans[i], dense)
       nbytes[i] = adacomp_ops.exchange_nbytes(4 * all_lengths[:, k])
   return Exchanged(sums, new_states, nbytes)
