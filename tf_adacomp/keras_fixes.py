@@ -50,9 +50,12 @@ the failing case and calls the original Keras function for everything else:
    running means, and their mean over replicas is the logged value, now the same on
    every worker. ``"sum"`` and ``"concat"`` (``predict``) are left to Keras.
 
-With ``MirroredStrategy``, ``OneDeviceStrategy``, the default strategy, or MWMS in
-single-worker mode, the wrappers call the originals with the same arguments: the
-behaviour is exactly the original's.
+With any strategy but MWMS (``MirroredStrategy``, ``OneDeviceStrategy``, the default
+strategy, ...) both wrappers call the originals with the same arguments: the behaviour
+is exactly the original's. MWMS in single-worker mode keeps the original
+``reduce_per_replica``; its symbolic build takes the local component too (with one
+local device the batch holds no ``DistributedValues`` and is passed on unchanged; with
+several, MWMS's reduce would fail on the nested structure as in 1.).
 
 Version guard
 -------------

@@ -1,0 +1,434 @@
+"""Strategy helpers and the Keras multi-worker fix (keras-team/keras#20585).
+
+The multi-worker tests start 2 worker processes on 127.0.0.1 (tests/multi_worker.py)
+that train with ``model.fit`` under ``MultiWorkerMirroredStrategy``: with the fix they
+train, agree bit for bit and match one process training on the same global batches;
+without it (or with only half of it) they fail with the upstream errors.
+"""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from keras.src.backend.tensorflow import trainer as keras_trainer
+
+from multi_worker import PROJECT_ROOT, WORKERS_DIR, describe, run_workers
+from tf_adacomp import distribute, keras_fixes
+from workers import keras_fit
+
+KERAS_FIT_WORKER = WORKERS_DIR / "keras_fit.py"
+NUM_WORKERS = 2
+
+
+@pytest.fixture
+def unpatched_keras():
+  """Keras as installed for the test, and as it was again afterwards."""
+  was_applied = keras_fixes.keras_multi_worker_fix_applied()
+  keras_fixes.revert_keras_multi_worker_fix()
+  yield
+  keras_fixes.revert_keras_multi_worker_fix()
+  if was_applied:
+    keras_fixes.apply_keras_multi_worker_fix()
+
+
+# ---------------------------------------------------------------------------------------
+# split_logical_devices
+
+def test_split_logical_devices_already_configured_returns_names():
+  # conftest.py split the CPU into 4 before TensorFlow initialised its devices.
+  names = distribute.split_logical_devices(4)
+  assert names == [f"/device:CPU:{i}" for i in range(4)]
+  assert names == [d.name for d in tf.config.list_logical_devices("CPU")]
+  assert distribute.split_logical_devices(4, device_type="cpu") == names
+  assert tf.distribute.MirroredStrategy(names).num_replicas_in_sync == 4
+
+
+def test_split_logical_devices_too_late_raises():
+  with pytest.raises(RuntimeError, match=r"already initialised.*4 logical CPU.*count=2"):
+    distribute.split_logical_devices(2)
+  assert len(tf.config.list_logical_devices("CPU")) == 4  # unchanged
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(count=0), ValueError, r"Received: count=0"),
+    (dict(count=-3), ValueError, r"Received: count=-3"),
+    (dict(count=2.0), TypeError, r"Received: count=2\.0"),
+    (dict(count=True), TypeError, r"Received: count=True"),
+    (dict(count="4"), TypeError, r"Received: count='4'"),
+    (dict(count=2, device_type="TPU"), ValueError, r"Received: device_type='TPU'"),
+    (dict(count=2, device_type=None), TypeError, r"Received: device_type=None"),
+    (dict(count=2, memory_limit=512), ValueError, r"Received: memory_limit=512"),
+    (dict(count=2, device_type="GPU"), ValueError, r"Received: memory_limit=None"),
+    (dict(count=2, device_type="GPU", memory_limit=0), ValueError, r"Received: memory_limit=0"),
+    (dict(count=2, device_type="GPU", memory_limit="1G"), TypeError,
+     r"Received: memory_limit='1G'"),
+])
+def test_split_logical_devices_bad_arguments(kwargs, error, message):
+  with pytest.raises(error, match=message):
+    distribute.split_logical_devices(**kwargs)
+
+
+@pytest.mark.skipif(bool(tf.config.list_physical_devices("GPU")), reason="a GPU is present")
+def test_split_logical_devices_without_gpu_raises():
+  with pytest.raises(RuntimeError, match=r"No physical GPU"):
+    distribute.split_logical_devices(2, device_type="GPU", memory_limit=1024)
+
+
+def test_split_logical_devices_in_a_fresh_process():
+  """Before TensorFlow initialises: splits, and leaves the devices uninitialised."""
+  code = textwrap.dedent("""
+      import tensorflow as tf
+      from tf_adacomp.distribute import split_logical_devices
+      names = split_logical_devices(3)
+      # Still configurable: split_logical_devices initialised nothing.
+      assert split_logical_devices(2) == ["/device:CPU:0", "/device:CPU:1"]
+      names = split_logical_devices(3)
+      assert names == [d.name for d in tf.config.list_logical_devices("CPU")], names
+      assert tf.distribute.MirroredStrategy(names).num_replicas_in_sync == 3
+      assert split_logical_devices(3) == names  # already configured: fine
+      try:
+        split_logical_devices(5)
+      except RuntimeError as e:
+        assert "already initialised" in str(e)
+      else:
+        raise AssertionError("no RuntimeError")
+      print("OK", names)
+      """)
+  result = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True,
+                          text=True, timeout=120,
+                          env={**_subprocess_env(), "CUDA_VISIBLE_DEVICES": ""})
+  assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+  assert "OK ['/device:CPU:0', '/device:CPU:1', '/device:CPU:2']" in result.stdout
+
+
+def _subprocess_env():
+  import os  # pylint: disable=g-import-not-at-top
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
+  return env
+
+
+# ---------------------------------------------------------------------------------------
+# mirrored_strategy, multi_worker_strategy, tf_config
+
+def _cpus():
+  return [d.name for d in tf.config.list_logical_devices("CPU")]
+
+
+def test_mirrored_strategy_without_compressor_is_plain():
+  strategy = distribute.mirrored_strategy(devices=_cpus())
+  assert type(strategy) is tf.distribute.MirroredStrategy  # pylint: disable=unidiomatic-typecheck
+  assert strategy.num_replicas_in_sync == 4
+  assert distribute.mirrored_strategy(devices=tuple(_cpus()[:2])).num_replicas_in_sync == 2
+  assert tf.distribute.MirroredStrategy._collective_key_base == 0  # the class is untouched
+
+
+def test_mirrored_strategies_have_collective_keys_of_their_own():
+  """Plain MirroredStrategy objects share collective keys; mirrored_strategy()'s do not.
+
+  Run in a fresh process: the collision aborts every collective of the process.
+  """
+  code = textwrap.dedent("""
+      from tf_adacomp.distribute import mirrored_strategy, split_logical_devices
+      devices = split_logical_devices(2)
+      import numpy as np, tensorflow as tf, keras
+
+      def fit(strategy, width):
+        x = np.random.rand(64, 8).astype("float32")
+        y = np.random.randint(0, 3, 64).astype("int32")
+        with strategy.scope():
+          model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(width),
+                                    keras.layers.Dense(3)])
+          model.compile(keras.optimizers.SGD(0.1),
+                        keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+      fit(mirrored_strategy(devices=devices), 16)
+      fit(mirrored_strategy(devices=devices), 4)  # another size: fine
+      print("OWN KEYS OK", flush=True)
+      fit(tf.distribute.MirroredStrategy(devices), 16)
+      try:
+        fit(tf.distribute.MirroredStrategy(devices), 4)
+      except tf.errors.InvalidArgumentError as e:
+        print("PLAIN COLLIDES" if "Shape mismatch in the collective" in str(e) else e)
+      """)
+  result = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True,
+                          text=True, timeout=120,
+                          env={**_subprocess_env(), "CUDA_VISIBLE_DEVICES": ""})
+  assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+  assert "OWN KEYS OK" in result.stdout, result.stdout + result.stderr[-4000:]
+  # TensorFlow's behaviour that makes the helper's own keys necessary:
+  assert "PLAIN COLLIDES" in result.stdout, result.stdout + result.stderr[-4000:]
+
+
+def test_mirrored_strategy_with_compressor():
+  cross_device_ops = pytest.importorskip("tf_adacomp.cross_device_ops")
+  strategy = distribute.mirrored_strategy("adacomp", devices=_cpus(), dense_bin_size=100)
+  assert isinstance(strategy, tf.distribute.MirroredStrategy)
+  assert strategy.num_replicas_in_sync == 4
+  ops = strategy.extended._cross_device_ops  # pylint: disable=protected-access
+  assert isinstance(ops, cross_device_ops.CompressedAllReduce)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(devices="/device:CPU:0"), TypeError, r"Received: devices='/device:CPU:0'"),
+    (dict(devices=[]), ValueError, r"Received: devices=\[\]"),
+    (dict(devices=[0, 1]), TypeError, r"Received: devices=\[0, 1\]"),
+    (dict(dense_bin_size=100), ValueError, r"Received: compressor=None, compressor_kwargs="),
+    (dict(compressor="zip"), ValueError, r"Received: identifier='zip'"),
+])
+def test_mirrored_strategy_bad_arguments(kwargs, error, message):
+  with pytest.raises(error, match=message):
+    distribute.mirrored_strategy(**kwargs)
+
+
+@pytest.mark.parametrize("value", ["{not json", "[1, 2]"])
+def test_multi_worker_strategy_bad_tf_config(monkeypatch, value):
+  monkeypatch.setenv("TF_CONFIG", value)
+  with pytest.raises(ValueError, match=r"Received: TF_CONFIG="):
+    distribute.multi_worker_strategy()
+
+
+def test_tf_config():
+  config = json.loads(distribute.tf_config(["127.0.0.1:2222", "localhost:2223"], 1))
+  assert config == {"cluster": {"worker": ["127.0.0.1:2222", "localhost:2223"]},
+                    "task": {"type": "worker", "index": 1}}
+
+
+@pytest.mark.parametrize("addresses, index, error, message", [
+    ([], 0, ValueError, r"Received: worker_addresses=\[\]"),
+    ("127.0.0.1:2222", 0, TypeError, r"Received: worker_addresses='127.0.0.1:2222'"),
+    ([2222], 0, TypeError, r"Received: worker_addresses=\[2222\]"),
+    (["127.0.0.1"], 0, ValueError, r"Received: worker_addresses=\['127.0.0.1'\]"),
+    (["127.0.0.1:99999"], 0, ValueError, r"Received: worker_addresses="),
+    (["h:1", "h:1"], 0, ValueError, r"must not repeat"),
+    (["h:1", "h:2"], 2, ValueError, r"Received: index=2"),
+    (["h:1", "h:2"], -1, ValueError, r"Received: index=-1"),
+    (["h:1", "h:2"], "0", TypeError, r"Received: index='0'"),
+])
+def test_tf_config_bad_arguments(addresses, index, error, message):
+  with pytest.raises(error, match=message):
+    distribute.tf_config(addresses, index)
+
+
+# ---------------------------------------------------------------------------------------
+# The Keras fix, in process: guard, idempotence, no-op for other strategies
+
+def test_fix_is_needed_by_the_installed_keras():
+  if keras_fixes._keras_version() < (3, 0):  # pylint: disable=protected-access
+    pytest.skip("Keras 2")
+  assert set(keras_fixes.keras_multi_worker_fix_needed()) <= set(keras_fixes.PATCHES)
+
+
+def test_fix_is_idempotent_and_revertible(unpatched_keras):
+  originals = (keras_trainer.TensorFlowTrainer._maybe_symbolic_build,  # pylint: disable=protected-access
+               keras_trainer.reduce_per_replica)
+  needed = keras_fixes.keras_multi_worker_fix_needed()
+  assert keras_fixes.apply_keras_multi_worker_fix() == needed
+  patched = (keras_trainer.TensorFlowTrainer._maybe_symbolic_build,  # pylint: disable=protected-access
+             keras_trainer.reduce_per_replica)
+  assert keras_fixes.apply_keras_multi_worker_fix() == needed  # twice: patched once
+  assert (keras_trainer.TensorFlowTrainer._maybe_symbolic_build,  # pylint: disable=protected-access
+          keras_trainer.reduce_per_replica) == patched
+  assert keras_fixes.keras_multi_worker_fix_needed() == needed  # judged on the originals
+  if needed:
+    assert patched != originals
+    assert keras_fixes.keras_multi_worker_fix_applied()
+  assert keras_fixes.revert_keras_multi_worker_fix() == needed
+  assert (keras_trainer.TensorFlowTrainer._maybe_symbolic_build,  # pylint: disable=protected-access
+          keras_trainer.reduce_per_replica) == originals
+  assert not keras_fixes.keras_multi_worker_fix_applied()
+
+
+def test_fix_skips_keras_2(unpatched_keras, monkeypatch):
+  monkeypatch.setattr(keras, "__version__", "2.15.0")
+  assert keras_fixes.keras_multi_worker_fix_needed() == ()
+  assert keras_fixes.apply_keras_multi_worker_fix() == ()
+  assert not keras_fixes.keras_multi_worker_fix_applied()
+
+
+def test_fix_skips_a_path_fixed_upstream(unpatched_keras, monkeypatch):
+  def reduce_per_replica(values, strategy, reduction):  # as if fixed upstream
+    return values
+  monkeypatch.setattr(keras_trainer, "reduce_per_replica", reduce_per_replica)
+  assert keras_fixes.REDUCE_PER_REPLICA not in keras_fixes.keras_multi_worker_fix_needed()
+  assert keras_fixes.REDUCE_PER_REPLICA not in keras_fixes.apply_keras_multi_worker_fix()
+  assert keras_trainer.reduce_per_replica is reduce_per_replica
+
+
+def _fit_tiny_model(strategy, initial_weights):
+  rng = np.random.default_rng(1)
+  x = rng.normal(size=(96, 5)).astype(np.float32)
+  y = rng.integers(0, 3, size=96).astype(np.int32)
+  dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
+  with strategy.scope():
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+  if initial_weights is not None:
+    model.set_weights(initial_weights)
+  initial = model.get_weights()
+  history = model.fit(dataset, epochs=2, shuffle=False, verbose=0).history
+  evaluation = model.evaluate(dataset, verbose=0, return_dict=True)
+  predictions = model.predict(dataset, verbose=0)
+  return initial, model.get_weights(), history, evaluation, predictions
+
+
+@pytest.mark.parametrize("kind", ["mirrored", "default"])
+def test_fix_is_a_no_op_without_multi_worker(unpatched_keras, kind):
+  def make_strategy():
+    if kind == "mirrored":  # a plain MirroredStrategy with collective keys of its own
+      return distribute.mirrored_strategy(devices=_cpus())
+    return tf.distribute.get_strategy()
+
+  initial, *before = _fit_tiny_model(make_strategy(), None)
+  keras_fixes.apply_keras_multi_worker_fix()
+  assert keras_fixes.keras_multi_worker_fix_applied()
+  _, *after = _fit_tiny_model(make_strategy(), initial)
+  weights_before, history_before, evaluation_before, predictions_before = before
+  weights_after, history_after, evaluation_after, predictions_after = after
+  for b, a in zip(weights_before, weights_after):
+    np.testing.assert_array_equal(a, b)
+  assert history_after == history_before
+  assert evaluation_after == evaluation_before
+  np.testing.assert_array_equal(predictions_after, predictions_before)
+
+
+@pytest.mark.parametrize("reduction", ["auto", "mean", "sum", "first", "concat"])
+def test_patched_reduce_per_replica_is_the_original_under_mirrored(unpatched_keras, reduction):
+  original = keras_trainer.reduce_per_replica
+  if keras_fixes.REDUCE_PER_REPLICA not in keras_fixes.apply_keras_multi_worker_fix():
+    pytest.skip("reduce_per_replica needs no patch in this Keras")
+  patched = keras_trainer.reduce_per_replica
+  assert patched is not original
+  strategy = distribute.mirrored_strategy(devices=_cpus())
+  values = {
+      "loss": strategy.experimental_distribute_values_from_function(
+          lambda ctx: tf.constant(1.5 * ctx.replica_id_in_sync_group + 0.25)),
+      "vector": strategy.experimental_distribute_values_from_function(
+          lambda ctx: tf.range(3, dtype=tf.float32) * float(ctx.replica_id_in_sync_group + 1)),
+      "plain": tf.constant(7.0),
+  }
+  expected = original(values, strategy, reduction)
+  got = patched(values, strategy, reduction)
+  for key in values:
+    np.testing.assert_array_equal(got[key], expected[key])
+
+
+# ---------------------------------------------------------------------------------------
+# The Keras fix, 2 worker processes
+
+def _run_keras_fit(mode, out_dir):
+  return run_workers(KERAS_FIT_WORKER, num_workers=NUM_WORKERS, timeout=120, args=[mode],
+                     out_dir=out_dir)
+
+
+def test_keras_fit_multi_worker_with_fix(tmp_path):
+  results = _run_keras_fit("fix", tmp_path)
+  assert all(r.returncode == 0 for r in results), describe(results)
+  reports = [json.loads((tmp_path / f"worker{i}.json").read_text()) for i in range(NUM_WORKERS)]
+  arrays = [dict(np.load(tmp_path / f"worker{i}.npz")) for i in range(NUM_WORKERS)]
+
+  for report in reports:
+    assert report["replicas"] == NUM_WORKERS
+    assert report["patches"] == list(keras_fixes.keras_multi_worker_fix_needed())
+  # It trains: the loss falls, epoch after epoch and at the final evaluation.
+  history = reports[0]["history"]
+  assert history["loss"][1] < history["loss"][0] - 0.1, history
+  assert reports[0]["evaluation"]["loss"] < history["loss"][0] - 0.2, reports[0]
+  # The workers agree bit for bit: logs (all-reduced) and weights.
+  for report in reports[1:]:
+    assert report["history"] == reports[0]["history"]
+    assert report["evaluation"] == reports[0]["evaluation"]
+  assert sorted(arrays[0]) == sorted(arrays[1])
+  for key in arrays[0]:
+    np.testing.assert_array_equal(arrays[1][key], arrays[0][key], err_msg=key)
+  count = len(arrays[0]) // 2
+  initial = [arrays[0][f"initial_{i}"] for i in range(count)]
+  final = [arrays[0][f"final_{i}"] for i in range(count)]
+  assert any(not np.array_equal(a, b) for a, b in zip(initial, final))
+
+  # And they computed what one process computes on the same global batches of 64.
+  model = keras_fit.make_model()
+  model.set_weights(initial)
+  reference_history, reference_evaluation = keras_fit.fit(model, *keras_fit.load_digits())
+  for got, want in zip(final, model.get_weights()):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(history["loss"], reference_history["loss"], rtol=1e-4)
+  np.testing.assert_allclose(history["accuracy"], reference_history["accuracy"], atol=1e-6)
+  np.testing.assert_allclose(reports[0]["evaluation"]["loss"], reference_evaluation["loss"],
+                             rtol=1e-4)
+
+
+def _skip_unless_needed(patch):
+  if patch not in keras_fixes.keras_multi_worker_fix_needed():
+    pytest.skip(f"the installed Keras {keras.__version__} does not have this bug")
+
+
+def test_keras_fit_multi_worker_without_fix_fails_upstream(tmp_path):
+  """The control run: upstream Keras fails in fit's symbolic build."""
+  _skip_unless_needed(keras_fixes.SYMBOLIC_BUILD)
+  results = _run_keras_fit("none", tmp_path)
+  for r in results:
+    assert r.returncode != 0, describe(results)
+    assert "ValueError: Attempt to convert a value (PerReplica" in r.stderr, describe(results)
+    assert "unsupported type (<class 'tensorflow.python.distribute.values.PerReplica'>) " \
+           "to a Tensor" in r.stderr, describe(results)
+  assert not list(tmp_path.glob("worker*.npz"))
+
+
+def test_keras_fit_multi_worker_needs_both_patches(tmp_path):
+  """With the symbolic build fixed only, the scalar logs' MEAN along axis 0 fails."""
+  _skip_unless_needed(keras_fixes.REDUCE_PER_REPLICA)
+  results = _run_keras_fit("symbolic-build-only", tmp_path)
+  for r in results:
+    assert r.returncode != 0, describe(results)
+    assert "Invalid reduction dimension 0 for input with 0 dimensions" in r.stderr, \
+        describe(results)
+  assert not list(tmp_path.glob("worker*.npz"))
+
+
+# ---------------------------------------------------------------------------------------
+# The harness itself (tests/multi_worker.py), with workers that do not load TensorFlow
+
+def test_run_workers_gives_each_worker_its_tf_config(tmp_path):
+  from workers import probe  # pylint: disable=g-import-not-at-top
+  for target in ("workers.probe:report", probe.report):
+    results = run_workers(target, num_workers=3, timeout=60, env={"PROBE_EXTRA": "x"},
+                          out_dir=tmp_path, args=["a", "b"])
+    assert [r.returncode for r in results] == [0, 0, 0], describe(results)
+    reports = [json.loads((tmp_path / f"probe{i}.json").read_text()) for i in range(3)]
+    addresses = reports[0]["tf_config"]["cluster"]["worker"]
+    assert len(set(addresses)) == 3 and all(a.startswith("127.0.0.1:") for a in addresses)
+    for i, report in enumerate(reports):
+      assert report["index"] == i
+      assert report["tf_config"] == {"cluster": {"worker": addresses},
+                                     "task": {"type": "worker", "index": i}}
+      assert report["argv"] == ["a", "b"]
+      assert (report["cuda"], report["log_level"], report["extra"]) == ("", "2", "x")
+      assert results[i].stdout == f"probe {i} done\n"
+
+
+def test_run_workers_kills_on_timeout_and_after_a_failure(tmp_path):
+  results = run_workers("workers.probe:hang", num_workers=2, timeout=2, out_dir=tmp_path)
+  assert all(r.returncode < 0 and "killed worker" in r.stderr for r in results)
+  results = run_workers("workers.probe:first_fails", num_workers=2, timeout=120, grace=1,
+                        out_dir=tmp_path)
+  assert results[0].returncode == 3 and "worker 0 gives up" in results[0].stderr
+  assert results[1].returncode < 0 and "killed worker 1" in results[1].stderr
+
+
+def test_run_workers_bad_targets():
+  with pytest.raises(ValueError, match=r"Received: target='nomodule'"):
+    run_workers("nomodule")
+  with pytest.raises(ValueError, match=r"Received: target="):
+    run_workers(lambda: None)
+  with pytest.raises(ValueError, match=r"Received: num_workers=0"):
+    run_workers("workers.probe:report", num_workers=0)
