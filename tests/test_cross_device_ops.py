@@ -14,7 +14,8 @@ DEVICES = [f"/cpu:{i}" for i in range(4)]
 
 
 def _strategy(ops=None):
-  return tf.distribute.MirroredStrategy(DEVICES, cross_device_ops=ops)
+  # Through the helper: every strategy gets collective keys of its own (see distribute).
+  return tf_adacomp.distribute.mirrored_strategy(devices=DEVICES, cross_device_ops=ops)
 
 
 def _fit(strategy, epochs=2, seed=0):
@@ -155,7 +156,7 @@ def test_deepcopy_gives_an_equal_configuration_without_state():
   copied = copy.deepcopy(ops)
   assert copied.compressor == ops.compressor and copied.start_step == 3
   assert copied.residues == {} and ops.residues
-  strategy = copy.deepcopy(_strategy(ops))
+  strategy = copy.deepcopy(_strategy(ops))  # as strategies do to their ops
   assert isinstance(strategy.extended._cross_device_ops, tf_adacomp.CompressedAllReduce)  # pylint: disable=protected-access
 
 

@@ -29,7 +29,7 @@ def _fit(optimizer, strategy=None, epochs=1, steps=None, callbacks=None, seed=0)
 
 @pytest.mark.parametrize("use_strategy", [False, True])
 def test_no_compression_matches_the_inner_optimizer(use_strategy):
-  strategy = (lambda: tf.distribute.MirroredStrategy(DEVICES)) if use_strategy else (lambda: None)
+  strategy = (lambda: tf_adacomp.distribute.mirrored_strategy(devices=DEVICES)) if use_strategy else (lambda: None)
   plain = _fit(_sgd, strategy())
   wrapped = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "none"), strategy())
   for a, b in zip(plain.get_weights(), wrapped.get_weights()):
@@ -37,7 +37,7 @@ def test_no_compression_matches_the_inner_optimizer(use_strategy):
 
 
 def test_adacomp_keeps_replicas_identical_and_residues_per_replica():
-  strategy = tf.distribute.MirroredStrategy(DEVICES)
+  strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES)
   model = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "adacomp"), strategy, steps=10)
   for variable in model.trainable_variables:
     copies = [v.numpy() for v in variable.value.values]
@@ -80,7 +80,7 @@ def test_residues_survive_model_save_and_checkpoint(tmp_path):
 
 
 def test_a_non_finite_step_changes_neither_residues_nor_weights():
-  strategy = tf.distribute.MirroredStrategy(DEVICES)
+  strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES)
   (x, y), _ = digits_data.flat()
   with strategy.scope():
     model = digits_data.mlp(0, tf_adacomp.CompressedOptimizer(_sgd(), "adacomp"))
@@ -116,7 +116,7 @@ def test_a_non_finite_step_changes_neither_residues_nor_weights():
 def test_mixed_precision_trains(policy):
   keras.mixed_precision.set_global_policy(policy)
   try:
-    strategy = tf.distribute.MirroredStrategy(DEVICES)
+    strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES)
     model = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "adacomp"), strategy, epochs=2)
   finally:
     keras.mixed_precision.set_global_policy("float32")
@@ -131,7 +131,7 @@ def test_adacomp_with_4_replicas_is_within_2_percent_of_dense_on_digits():
   (x, y), (x_test, y_test) = digits_data.flat()
   accuracy = {}
   for name in ("none", "adacomp"):
-    strategy = tf.distribute.MirroredStrategy(DEVICES)
+    strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES)
     with strategy.scope():
       model = digits_data.mlp(0, tf_adacomp.CompressedOptimizer(_sgd(), name))
     model.fit(x, y, batch_size=64, epochs=20, verbose=0)  # 460 steps
@@ -162,20 +162,20 @@ def _record_exchanges(monkeypatch):
 
 def test_only_compressed_payloads_are_exchanged(monkeypatch):
   seen = _record_exchanges(monkeypatch)
-  strategy = tf.distribute.MirroredStrategy(DEVICES)
+  strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES)
   _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "adacomp"), strategy, steps=2)
   gathered = [s for s in seen if s[0] == "gather"]
   assert gathered and all(dtype == tf.int32 for _, dtype, _ in gathered)
   assert not [s for s in seen if s[1].is_floating and (s[2].num_elements() or 2) > 1], seen
   # With no compression, the same step all-reduces the float32 gradients themselves.
   seen.clear()
-  strategy = tf.distribute.MirroredStrategy(DEVICES)
+  strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES)
   _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "none"), strategy, steps=2)
   assert ("reduce", tf.float32, tf.TensorShape([64, 64])) in seen
 
 
 def test_warm_up_sends_dense_then_compresses():
-  strategy = tf.distribute.MirroredStrategy(DEVICES)
+  strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES)
   (x, y), _ = digits_data.flat()
   with strategy.scope():
     model = digits_data.mlp(0, tf_adacomp.CompressedOptimizer(_sgd(), "adacomp", start_step=3))
@@ -203,7 +203,7 @@ def test_stats_callback_logs_ratios(tmp_path):
 
 def test_stats_callback_reads_compressed_all_reduce():
   ops = tf_adacomp.CompressedAllReduce("adacomp")
-  strategy = tf.distribute.MirroredStrategy(DEVICES, cross_device_ops=ops)
+  strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES, cross_device_ops=ops)
   model = _fit(_sgd, strategy, steps=3, callbacks=[tf_adacomp.CompressionStats()])
   assert model.history.history["compression_ratio"][0] > 20
 

@@ -6,10 +6,13 @@ Public API (a flat list, as in Keras and optax):
   ``Compressor`` base class, ``TensorPlan``, ``get_compressor``, ``serialize_compressor``;
 - distribution: ``CompressedAllReduce`` (cross-device ops for ``MirroredStrategy``),
   ``CompressedOptimizer`` (a Keras optimizer wrapper, any strategy);
+- helpers: ``tf_adacomp.distribute`` (logical devices, strategies, TF_CONFIG, the Keras
+  multi-worker fix), ``CompressionStats`` (a Keras callback);
 - kernels: ``tf_adacomp.ops`` (``adacomp_compress``, ``adacomp_decompress``,
   ``payload_nbytes``).
 """
 
+from tf_adacomp import distribute
 from tf_adacomp import ops
 from tf_adacomp.callbacks import CompressionStats
 from tf_adacomp.cross_device_ops import CompressedAllReduce
@@ -40,6 +43,7 @@ __all__ = [
     "TensorPlan",
     "TopK",
     "available_compressors",
+    "distribute",
     "get_compressor",
     "ops",
     "register_compressor",

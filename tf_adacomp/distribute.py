@@ -109,7 +109,7 @@ def split_logical_devices(count: int, device_type: str = "CPU",
 
 
 def mirrored_strategy(compressor=None, devices: Optional[Sequence[str]] = None,
-                      **compressor_kwargs) -> tf.distribute.MirroredStrategy:
+                      cross_device_ops=None, **compressor_kwargs) -> tf.distribute.MirroredStrategy:
   """A ``MirroredStrategy``, exchanging compressed gradients when given a compressor.
 
   Args:
@@ -118,6 +118,8 @@ def mirrored_strategy(compressor=None, devices: Optional[Sequence[str]] = None,
       ...), a config dict or a ``Compressor``.
     devices: device names for the replicas (e.g. from ``split_logical_devices``);
       None for all local GPUs, or the CPU when there is none.
+    cross_device_ops: instead of a compressor, a ready ``tf.distribute.CrossDeviceOps``
+      (e.g. a configured ``CompressedAllReduce``) for the strategy.
     **compressor_kwargs: constructor arguments of the named compressor.
 
   Every strategy built here numbers its collectives from a key range of its own.
@@ -134,8 +136,8 @@ def mirrored_strategy(compressor=None, devices: Optional[Sequence[str]] = None,
 
   Raises:
     TypeError: ``devices`` not a list or tuple of str.
-    ValueError: empty ``devices``; ``compressor_kwargs`` without a compressor; an
-      unknown compressor or bad compressor arguments.
+    ValueError: empty ``devices``; ``compressor_kwargs`` without a compressor; both a
+      compressor and ``cross_device_ops``; an unknown compressor or bad arguments.
   """
   if devices is not None:
     if isinstance(devices, str) or not isinstance(devices, (list, tuple)):
@@ -147,6 +149,11 @@ def mirrored_strategy(compressor=None, devices: Optional[Sequence[str]] = None,
       if not isinstance(device, str):
         raise TypeError(f"`devices` must hold device names (str). Received: devices={devices!r}")
     devices = list(devices)
+  if cross_device_ops is not None:
+    if compressor is not None or compressor_kwargs:
+      raise ValueError("Give either a compressor or cross_device_ops, not both. Received: "
+                       f"compressor={compressor!r}, cross_device_ops={cross_device_ops!r}")
+    return _new_mirrored_strategy(devices, cross_device_ops)
   if compressor is None:
     if compressor_kwargs:
       raise ValueError("Compressor arguments were given without a compressor. "

@@ -3,12 +3,13 @@
 import numpy as np
 import tensorflow as tf
 
+import tf_adacomp
 from tf_adacomp import ops
 
 
 def test_compress_gather_decode_under_mirrored_strategy():
-  strategy = tf.distribute.MirroredStrategy(
-      [d.name for d in tf.config.list_logical_devices("CPU")])
+  strategy = tf_adacomp.distribute.mirrored_strategy(
+      devices=[d.name for d in tf.config.list_logical_devices("CPU")])
   replicas = strategy.num_replicas_in_sync
   assert replicas == 4  # from conftest
   rng = np.random.default_rng(0)
