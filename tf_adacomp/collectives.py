@@ -17,7 +17,7 @@ and each replica rebuilds the ``[replicas, words]`` rows and decodes them in rep
 order, so that all replicas compute bit-identical sums.
 """
 
-from typing import List, NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import tensorflow as tf
 

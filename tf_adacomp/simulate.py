@@ -7,12 +7,12 @@ decoded in learner order), then averaged and applied. Useful to study how compre
 affects accuracy and how many bytes it sends, on any machine.
 """
 
-import collections
 from typing import Dict
 
 import keras
 import tensorflow as tf
 
+from tf_adacomp import stats
 from tf_adacomp.compressors import registry
 from tf_adacomp.ops import adacomp as adacomp_ops
 
@@ -93,16 +93,8 @@ def compression_report(plans, bytes_sent_steps) -> Dict[str, Dict[str, float]]:
     bytes_sent_steps: list of ``{variable path: bytes}`` dicts, one per step.
 
   Returns:
-    ``{kind: {"dense_bytes", "sent_bytes", "ratio"}}`` with a ``"total"`` entry;
-    bytes are per learner per step, averaged over the steps.
+    ``stats.summarize`` of the bytes per learner per step, averaged over the steps.
   """
   steps = max(len(bytes_sent_steps), 1)
-  dense, sent = collections.Counter(), collections.Counter()
-  for plan in plans:
-    for kind in (plan.kind, "total"):
-      dense[kind] += plan.dense_nbytes
-      sent[kind] += sum(int(s[plan.name]) for s in bytes_sent_steps) / steps
-  return {kind: {"dense_bytes": float(dense[kind]), "sent_bytes": float(sent[kind]),
-                 "ratio": float(dense[kind] / sent[kind]) if sent[kind] else float("inf")}
-          for kind in dense}
-
+  return stats.summarize(
+      (plan, sum(int(s[plan.name]) for s in bytes_sent_steps) / steps) for plan in plans)

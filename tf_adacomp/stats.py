@@ -19,8 +19,10 @@ def summarize(plans_and_bytes):
     for kind in (plan.kind, "total"):
       entry = summary.setdefault(kind, {"dense_bytes": 0, "sent_bytes": 0})
       entry["dense_bytes"] += plan.dense_nbytes
-      entry["sent_bytes"] += int(nbytes)
+      entry["sent_bytes"] += nbytes
   for entry in summary.values():
+    entry["dense_bytes"], entry["sent_bytes"] = (float(entry["dense_bytes"]),
+                                                 float(entry["sent_bytes"]))
     entry["ratio"] = (entry["dense_bytes"] / entry["sent_bytes"] if entry["sent_bytes"]
                       else math.nan)
   return summary

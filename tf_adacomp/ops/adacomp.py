@@ -20,13 +20,13 @@ Wire format (docs/wire_format.md): int32 words
 ``position << 1 | (G < 0)`` in ``bits = index_bits(n) + 1`` bits.
 """
 
-import functools
 import math
 
 import tensorflow as tf
 
 from tf_adacomp.ops import bitpack
 from tf_adacomp.ops import checks
+from tf_adacomp.ops import compiled
 from tf_adacomp.ops import compaction
 
 HEADER_WORDS = 3
@@ -190,14 +190,6 @@ def _nbytes(payload):
   return 4 * (HEADER_WORDS + (count * bits + 31) // 32)
 
 
-@functools.lru_cache(maxsize=None)
-def _kernel(fn, **static):
-  """One XLA-compiled function per kernel and static setting (bin size, capacity,
-  shape, dtype): each traces once per input signature, so retracing warnings mean
-  something again."""
-  return tf.function(functools.partial(fn, **static), jit_compile=True, autograph=False)
-
-
 def adacomp_compress(grad, residue, bin_size: int, max_density: float = 1.0):
   """Compresses ``grad`` with AdaComp, carrying the error in ``residue``.
 
@@ -232,7 +224,7 @@ def adacomp_compress(grad, residue, bin_size: int, max_density: float = 1.0):
   bin_size = checks.positive_int(bin_size, "bin_size")
   max_density = checks.fraction(max_density, "max_density")
   cap = capacity(grad.shape.num_elements(), max_density)
-  return _kernel(_compress, bin_size=bin_size, cap=cap)(grad, residue)
+  return compiled.kernel(_compress, bin_size=bin_size, cap=cap)(grad, residue)
 
 
 def adacomp_decompress(payload, shape, dtype=tf.float32):
@@ -262,7 +254,7 @@ def adacomp_decompress(payload, shape, dtype=tf.float32):
   if payload.shape[-1] < HEADER_WORDS:
     raise ValueError(f"`payload` must hold at least the {HEADER_WORDS}-word header. "
                      f"Received: payload with shape {payload.shape}")
-  return _kernel(_decompress, shape=shape, dtype=dtype)(payload)
+  return compiled.kernel(_decompress, shape=shape, dtype=dtype)(payload)
 
 
 def payload_nbytes(payload):
@@ -280,7 +272,7 @@ def payload_nbytes(payload):
     TypeError, ValueError: as for ``adacomp_decompress``.
   """
   payload = checks.payload_tensor(payload)
-  return _kernel(_nbytes)(payload)
+  return compiled.kernel(_nbytes)(payload)
 
 
 def exchange_nbytes(nbytes):

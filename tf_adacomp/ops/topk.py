@@ -7,13 +7,13 @@ with ``index_bits`` bits each (see ``bitpack``). k is static, so every replica s
 same number of bytes and no padding is needed.
 """
 
-import functools
 import math
 
 import tensorflow as tf
 
 from tf_adacomp.ops import bitpack
 from tf_adacomp.ops import checks
+from tf_adacomp.ops import compiled
 from tf_adacomp.ops.adacomp import index_bits
 
 HEADER_WORDS = 2
@@ -67,11 +67,6 @@ def _decompress(payload, shape, dtype, k: int):
   return tf.reshape(tf.cast(total, dtype), shape)
 
 
-@functools.lru_cache(maxsize=None)
-def _kernel(fn, **static):
-  return tf.function(functools.partial(fn, **static), jit_compile=True, autograph=False)
-
-
 def topk_compress(grad, residue, density: float):
   """Sends the ``ceil(density * n)`` largest-magnitude elements of ``grad + residue``.
 
@@ -95,7 +90,7 @@ def topk_compress(grad, residue, density: float):
   k = topk_count(grad.shape.num_elements(), density)
   if k == 0:
     return tf.constant([0, 0], tf.int32), residue
-  return _kernel(_compress, k=k)(grad, residue)
+  return compiled.kernel(_compress, k=k)(grad, residue)
 
 
 def topk_decompress(payload, shape, density: float, dtype=tf.float32):
@@ -116,5 +111,5 @@ def topk_decompress(payload, shape, density: float, dtype=tf.float32):
                      f"{expected} words. Received: payload with shape {payload.shape}")
   if n == 0:
     return tf.zeros(shape, dtype)
-  return _kernel(_decompress, shape=shape, dtype=dtype,
+  return compiled.kernel(_decompress, shape=shape, dtype=dtype,
                  k=topk_count(n, density))(payload)
