@@ -230,7 +230,7 @@ def test_config_round_trip():
     ({"inner_optimizer": "sgd"}, TypeError, "inner_optimizer='sgd'"),
     ({"compressor": "gzip"}, ValueError, "identifier='gzip'"),
     ({"start_step": -1}, ValueError, "start_step=-1"),
-    ({"clipnorm": 1.0}, ValueError, "clipnorm"),
+    ({"clipnorm": 1.0}, ValueError, "clipnorm=1.0"),
 ])
 def test_bad_arguments(kwargs, error, match):
   kwargs = {"inner_optimizer": _sgd(), **kwargs}

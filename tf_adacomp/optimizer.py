@@ -47,9 +47,12 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
   def __init__(self, inner_optimizer, compressor="adacomp", start_step=0, name=None,
                **kwargs):
     for argument in _BASE_ARGUMENTS:
-      if kwargs.pop(argument, None) not in (None, False, 0.99):
-        raise ValueError(f"CompressedOptimizer does not take `{argument}`: set it on "
-                         f"the inner optimizer.")
+      # Keras passes the base defaults back when deserializing; anything else belongs to
+      # the inner optimizer.
+      value = kwargs.pop(argument, None)
+      if value not in (None, False, 0.99):
+        raise ValueError(f"CompressedOptimizer does not take `{argument}`: set it on the "
+                         f"inner optimizer. Received: {argument}={value!r}")
     if kwargs:
       raise ValueError(f"CompressedOptimizer does not take arguments {sorted(kwargs)}. "
                        f"Received: {kwargs!r}")
