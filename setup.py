@@ -8,7 +8,10 @@ setup(
     description="AdaComp gradient compression for tf.distribute and Keras 3",
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
-    packages=find_packages(include=["tf_adacomp", "tf_adacomp.*"]),
+    # The examples live at the top level (examples/) and install as tf_adacomp.examples,
+    # so that `tf-adacomp train NAME` finds them in any installation.
+    packages=find_packages(include=["tf_adacomp", "tf_adacomp.*"]) + ["tf_adacomp.examples"],
+    package_dir={"tf_adacomp.examples": "examples"},
     python_requires=">=3.10",
     install_requires=[
         "tensorflow>=2.16",

@@ -7,13 +7,15 @@ Public API (a flat list, as in Keras and optax):
 - distribution: ``CompressedAllReduce`` (cross-device ops for ``MirroredStrategy``),
   ``CompressedOptimizer`` (a Keras optimizer wrapper, any strategy);
 - helpers: ``tf_adacomp.distribute`` (logical devices, strategies, TF_CONFIG, the Keras
-  multi-worker fix), ``CompressionStats`` (a Keras callback);
+  multi-worker fix), ``CompressionStats`` (a Keras callback), ``schedules``
+  (``WarmupDecay``, a learning-rate schedule for large batches);
 - kernels: ``tf_adacomp.ops`` (``adacomp_compress``, ``adacomp_decompress``,
   ``payload_nbytes``).
 """
 
 from tf_adacomp import distribute
 from tf_adacomp import ops
+from tf_adacomp import schedules
 from tf_adacomp.callbacks import CompressionStats
 from tf_adacomp.cross_device_ops import CompressedAllReduce
 from tf_adacomp.optimizer import CompressedOptimizer
@@ -47,5 +49,6 @@ __all__ = [
     "get_compressor",
     "ops",
     "register_compressor",
+    "schedules",
     "serialize_compressor",
 ]

@@ -15,6 +15,7 @@ class CompressionStats(keras.callbacks.Callback):
   ``bytes_sent`` (one replica, one step); the epoch logs (and so ``History`` and
   Keras' own TensorBoard callback) get their means over the epoch. With ``log_dir``,
   the per-step values are also written as TensorBoard scalars under ``compression/``.
+  ``totals()`` gives the bytes and ratios of the whole training run.
 
   Args:
     source: the ``CompressedOptimizer`` or ``CompressedAllReduce`` to read; by default
@@ -32,6 +33,7 @@ class CompressionStats(keras.callbacks.Callback):
     self.log_dir = log_dir
     self._writer = None
     self._epoch = []
+    self._totals = {}
 
   def _find_source(self):
     optimizer = self.model.optimizer
@@ -48,6 +50,7 @@ class CompressionStats(keras.callbacks.Callback):
   def on_train_begin(self, logs=None):
     if self.source is None:
       self.source = self._find_source()
+    self._totals = {}
     if self.log_dir and self._writer is None:
       self._writer = tf.summary.create_file_writer(self.log_dir)
 
@@ -55,9 +58,15 @@ class CompressionStats(keras.callbacks.Callback):
     self._epoch = []
 
   def on_train_batch_end(self, batch, logs=None):
-    values = self.step_values()
-    if not values:
+    summary = self.source.compression_stats()
+    if not summary:
       return
+    for kind, entry in summary.items():
+      total = self._totals.setdefault(kind, {"dense_bytes": 0.0, "sent_bytes": 0.0, "steps": 0})
+      total["dense_bytes"] += entry["dense_bytes"]
+      total["sent_bytes"] += entry["sent_bytes"]
+      total["steps"] += 1
+    values = self._values(summary)
     self._epoch.append(values)
     if logs is not None:
       logs.update(values)
@@ -76,11 +85,25 @@ class CompressionStats(keras.callbacks.Callback):
     if self._writer is not None:
       self._writer.flush()
 
+  def totals(self):
+    """Bytes of every step of the last (or current) ``fit``, per variable kind.
+
+    Returns:
+      ``{kind: {"dense_bytes", "sent_bytes", "steps", "ratio"}}`` with a ``"total"``
+      entry: float32 bytes and bytes one replica sent, summed over the steps, and
+      their ratio (the compression achieved over the run). Empty before training.
+    """
+    return {kind: dict(entry, ratio=entry["dense_bytes"] / entry["sent_bytes"]
+                       if entry["sent_bytes"] else float("nan"))
+            for kind, entry in self._totals.items()}
+
   def step_values(self):
     """``{log name: value}`` for the last step."""
     summary = self.source.compression_stats()
-    if not summary:
-      return {}
+    return self._values(summary) if summary else {}
+
+  @staticmethod
+  def _values(summary):
     values = {"compression_ratio": summary["total"]["ratio"],
               "bytes_sent": float(summary["total"]["sent_bytes"])}
     for kind, entry in summary.items():

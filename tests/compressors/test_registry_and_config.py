@@ -124,6 +124,9 @@ def test_plan_rejects_bad_input(kwargs, error, match):
 
 @pytest.mark.parametrize("shape,name,kind", [
     ([3, 3, 1, 8], "k", "conv"), ([4, 4], "k", "dense"), ([4], "b", "vector"),
-    ([4, 4], "gru/recurrent_kernel", "recurrent")])
+    ([4, 4], "gru/recurrent_kernel", "recurrent"),
+    ([16, 128], "lstm/lstm_cell/kernel", "recurrent"),
+    ([128], "lstm/lstm_cell/bias", "vector"),
+    ([3, 3, 4, 8], "conv_lstm/kernel", "conv")])
 def test_infer_kind(shape, name, kind):
   assert base.infer_kind(tf.TensorShape(shape), name) == kind

@@ -29,16 +29,24 @@ State = Tuple[tf.Tensor, ...]
 KINDS = ("conv", "dense", "recurrent", "vector")
 
 
+# Layer-name fragments of Keras' recurrent layers (LSTM, GRU, SimpleRNN, their cells).
+_RECURRENT_LAYER_WORDS = ("lstm", "gru", "rnn")
+
+
 def infer_kind(shape: tf.TensorShape, name: str = "") -> str:
   """Guesses what kind of weight a gradient belongs to from its shape and name.
 
-  ``recurrent`` for names with "recurrent" (Keras LSTM/GRU ``recurrent_kernel``),
-  ``conv`` for kernels of rank 3 or more, ``dense`` for rank 2, ``vector`` otherwise
-  (biases, normalisation scales and offsets).
+  ``recurrent`` for names with "recurrent" (Keras LSTM/GRU ``recurrent_kernel``) and
+  for the matrices of layers named like recurrent ones ("lstm", "gru", "rnn": the
+  input kernel of an LSTM cell belongs to the recurrent layer, as in the paper's
+  LSTM figures), ``conv`` for kernels of rank 3 or more, ``dense`` for rank 2,
+  ``vector`` otherwise (biases, normalisation scales and offsets).
   """
-  if "recurrent" in name:
-    return "recurrent"
   rank = tf.TensorShape(shape).rank
+  lowered = name.lower()
+  if "recurrent" in lowered or (rank == 2 and any(
+      word in lowered for word in _RECURRENT_LAYER_WORDS)):
+    return "recurrent"
   if rank is not None and rank >= 3:
     return "conv"
   if rank == 2:
