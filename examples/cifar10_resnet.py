@@ -34,7 +34,8 @@ def _tfds_cifar10(config):
 
   (train, test), info = tfds.load("cifar10", split=["train", "test"], as_supervised=True,
                                   data_dir=config.data_dir, with_info=True)
-  return (train, test, info.splits["train"].num_examples, info.splits["test"].num_examples)
+  return (train, test, common.split_size(info, "train", train),
+          common.split_size(info, "test", test))
 
 
 def _fashion_mnist_32(config):

@@ -168,7 +168,8 @@ def validate(config: Config):
     need(getattr(config, name) is None or getattr(config, name) >= 1, name, ">= 1 or unset")
   need(config.learning_rate > 0 and math.isfinite(config.learning_rate), "learning_rate",
        "a finite number > 0")
-  need(config.warmup_epochs >= 0, "warmup_epochs", ">= 0")
+  need(0 <= config.warmup_epochs <= config.epochs, "warmup_epochs",
+       f">= 0 and <= epochs={config.epochs}")
   need(config.start_step >= 0, "start_step", ">= 0")
   need(config.verbose in (0, 1, 2), "verbose", "0, 1 or 2")
   if config.strategy == "one_device":
@@ -291,6 +292,18 @@ def pipelines(data: Data, config: Config):
            .prefetch(tf.data.AUTOTUNE).with_options(options))
   test = data.test.batch(config.batch_size).prefetch(tf.data.AUTOTUNE).with_options(options)
   return train, test
+
+
+def split_size(info, split, dataset) -> int:
+  """Examples in a tfds split: from its metadata, else by counting ``dataset``.
+
+  (``tfds.testing.mock_data`` generates examples without split metadata.)
+  """
+  try:
+    return info.splits[split].num_examples
+  except KeyError:
+    count = int(dataset.cardinality())
+    return count if count >= 0 else int(dataset.reduce(0, lambda n, _: n + 1))
 
 
 def synthetic_data(x_shape, num_classes, train_size, test_size, seed, x_dtype="float32",

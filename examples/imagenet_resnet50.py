@@ -67,16 +67,16 @@ def load_data(config):
   builder = tfds.builder("imagenet2012", data_dir=config.data_dir)
   builder.download_and_prepare(download_config=tfds.download.DownloadConfig(
       manual_dir=config.options["manual_dir"]))
-  train = builder.as_dataset("train", as_supervised=True, shuffle_files=True)
-  test = builder.as_dataset("validation", as_supervised=True)
+  train = builder.as_dataset(split="train", as_supervised=True, shuffle_files=True)
+  test = builder.as_dataset(split="validation", as_supervised=True)
+  n_train = common.split_size(builder.info, "train", train)
+  n_test = common.split_size(builder.info, "validation", test)
   train = (train.shuffle(10_000, seed=config.seed)
            .map(lambda x, y: (train_image(x, size), tf.cast(y, tf.int32)),
                 num_parallel_calls=tf.data.AUTOTUNE))
   test = test.map(lambda x, y: (eval_image(x, size), tf.cast(y, tf.int32)),
                   num_parallel_calls=tf.data.AUTOTUNE)
-  splits = builder.info.splits
-  return common.Data(train, test, splits["train"].num_examples,
-                     splits["validation"].num_examples)
+  return common.Data(train, test, n_train, n_test)
 
 
 def build_model(config, data):

@@ -127,6 +127,8 @@ def test_plan_rejects_bad_input(kwargs, error, match):
     ([4, 4], "gru/recurrent_kernel", "recurrent"),
     ([16, 128], "lstm/lstm_cell/kernel", "recurrent"),
     ([128], "lstm/lstm_cell/bias", "vector"),
-    ([3, 3, 4, 8], "conv_lstm/kernel", "conv")])
+    ([3, 3, 4, 8], "conv_lstm/kernel", "conv"),
+    ([8, 10], "char_lstm/dense/kernel", "dense"),
+    ([8, 10], "recurrent_net/dense/kernel", "dense")])
 def test_infer_kind(shape, name, kind):
   assert base.infer_kind(tf.TensorShape(shape), name) == kind

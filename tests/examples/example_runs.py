@@ -28,4 +28,5 @@ def check_summary(summary, model_dir, kinds):
     assert entry["sent_bytes_per_step"] > 0 and math.isfinite(entry["ratio"])
   assert 0.0 <= summary["test_accuracy"] <= 1.0
   with open(os.path.join(model_dir, "summary.json")) as f:
-    assert json.load(f) == summary
+    written = json.load(f)
+  assert json.dumps(written, sort_keys=True) == json.dumps(summary, sort_keys=True)

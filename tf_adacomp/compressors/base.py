@@ -36,16 +36,19 @@ _RECURRENT_LAYER_WORDS = ("lstm", "gru", "rnn")
 def infer_kind(shape: tf.TensorShape, name: str = "") -> str:
   """Guesses what kind of weight a gradient belongs to from its shape and name.
 
-  ``recurrent`` for names with "recurrent" (Keras LSTM/GRU ``recurrent_kernel``) and
-  for the matrices of layers named like recurrent ones ("lstm", "gru", "rnn": the
-  input kernel of an LSTM cell belongs to the recurrent layer, as in the paper's
-  LSTM figures), ``conv`` for kernels of rank 3 or more, ``dense`` for rank 2,
-  ``vector`` otherwise (biases, normalisation scales and offsets).
+  ``recurrent`` for variables named "recurrent..." (Keras LSTM/GRU
+  ``recurrent_kernel``) and for the matrices of recurrent cells ("lstm", "gru", "rnn" in
+  the name of the layer or cell holding the variable: the input kernel of an LSTM cell
+  belongs to the recurrent layer, as in the paper's LSTM figures); ``conv`` for kernels
+  of rank 3 or more, ``dense`` for rank 2, ``vector`` otherwise (biases, normalisation
+  scales and offsets). Only the last two parts of a Keras path
+  ("model/layer/cell/variable") are read, so a model's own name changes nothing.
   """
   rank = tf.TensorShape(shape).rank
-  lowered = name.lower()
-  if "recurrent" in lowered or (rank == 2 and any(
-      word in lowered for word in _RECURRENT_LAYER_WORDS)):
+  parts = name.lower().split("/")
+  variable, owner = parts[-1], (parts[-2] if len(parts) > 1 else "")
+  if "recurrent" in variable or (rank == 2 and any(
+      word in owner for word in _RECURRENT_LAYER_WORDS)):
     return "recurrent"
   if rank is not None and rank >= 3:
     return "conv"

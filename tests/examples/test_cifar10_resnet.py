@@ -1,0 +1,59 @@
+"""The CIFAR-10 ResNet example: the network of He et al., the tfds pipeline, a short run."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+import example_runs
+from tf_adacomp.examples import cifar10_resnet
+from tf_adacomp.examples import common
+
+
+@pytest.mark.parametrize("depth,parameters", [(20, 0.27e6), (32, 0.46e6), (56, 0.85e6)])
+def test_resnet_has_the_papers_size(depth, parameters):
+  """He et al. 2016, table 6: 0.27M, 0.46M and 0.85M parameters."""
+  model = cifar10_resnet.resnet_cifar(depth)
+  convs = [l for l in model.layers if isinstance(l, tf.keras.layers.Conv2D)]
+  assert len([c for c in convs if c.kernel_size == (3, 3)]) + 1 == depth  # + the dense
+  assert model.count_params() == pytest.approx(parameters, rel=0.05)
+
+
+def test_resnet_rejects_a_depth_that_is_not_6n_plus_2():
+  with pytest.raises(ValueError, match="depth=21"):
+    cifar10_resnet.resnet_cifar(21)
+
+
+def test_augment_pads_crops_and_flips():
+  image = tf.reshape(tf.range(32 * 32 * 3, dtype=tf.float32), [32, 32, 3])
+  out = cifar10_resnet.augment(image)
+  assert out.shape == (32, 32, 3)
+  # Every output pixel is an input pixel or padding (0).
+  assert set(np.unique(out.numpy())) <= set(np.unique(image.numpy())) | {0.0}
+
+
+def test_trains_on_the_tfds_pipeline(tmp_path):
+  config = example_runs.small_config(cifar10_resnet, tmp_path, compressor="fp16",
+                                     data_dir=str(tmp_path / "tfds"))
+  with tfds.testing.mock_data(num_examples=16):
+    data = cifar10_resnet.load_data(config)
+    x, y = next(iter(data.train.batch(4)))
+    assert x.shape == (4, 32, 32, 3) and y.dtype == tf.int32
+    assert abs(float(tf.reduce_mean(x))) < 3.0  # normalised
+    summary = common.train(cifar10_resnet, config)
+  example_runs.check_summary(summary, tmp_path, kinds=("conv", "dense", "vector"))
+  assert summary["compression_ratio"] == pytest.approx(2.0, rel=0.01)  # float16
+  trainable = cifar10_resnet.resnet_cifar(20).trainable_weights
+  assert summary["parameters"] == sum(int(np.prod(v.shape)) for v in trainable)
+
+
+def test_fashion_mnist_stands_in_for_cifar(tmp_path):
+  from test_fashion_mnist import _write_dataset  # pylint: disable=import-outside-toplevel
+  _write_dataset(tmp_path)
+  config = common.make_config(cifar10_resnet, dataset="fashion_mnist", data_dir=str(tmp_path))
+  data = cifar10_resnet.load_data(config)
+  x, _ = next(iter(data.test.batch(16)))
+  assert data.train_size == 64 and x.shape == (16, 32, 32, 3)
+  np.testing.assert_allclose(x[..., 0] * cifar10_resnet.STD[0] + cifar10_resnet.MEAN[0],
+                             x[..., 1] * cifar10_resnet.STD[1] + cifar10_resnet.MEAN[1],
+                             atol=1e-5)  # grey tiled to three channels

@@ -1,0 +1,87 @@
+"""The examples' shared module: settings, their checks, the strategy and the summary."""
+
+import json
+import math
+
+import pytest
+
+import example_runs
+import tf_adacomp
+from tf_adacomp.examples import common
+from tf_adacomp.examples import fashion_mnist
+from tf_adacomp.examples import shakespeare_lstm
+
+
+def test_flag_choices_match_the_registered_compressors():
+  assert sorted(common.COMPRESSORS) == tf_adacomp.available_compressors()
+
+
+def test_example_defaults_then_overrides():
+  config = common.make_config(shakespeare_lstm, batch_size=32, lstm_units=16, epochs=None)
+  assert config.optimizer == "adam" and config.epochs == 10  # example defaults
+  assert config.batch_size == 32 and config.options["lstm_units"] == 16
+  assert config.options["seq_length"] == 100 and config.max_density == 0.25
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"strategy": "parameter_server"}, "strategy='parameter_server'"),
+    ({"replicas": 0}, "replicas=0"),
+    ({"epochs": 0}, "epochs=0"),
+    ({"batch_size": 10, "replicas": 4}, "batch_size=10"),
+    ({"learning_rate": -0.1}, "learning_rate=-0.1"),
+    ({"learning_rate": math.inf}, "learning_rate=inf"),
+    ({"steps_per_epoch": 0}, "steps_per_epoch=0"),
+    ({"warmup_epochs": 3.0, "epochs": 2}, "warmup_epochs=3.0"),
+    ({"strategy": "one_device", "replicas": 2}, "replicas=2"),
+    ({"exchange": "cross_device_ops", "strategy": "one_device"}, "strategy='one_device'"),
+    ({"lr_schedule": "legw"}, "lr_schedule='legw'"),
+    ({"depth": 20}, "depth=20"),  # another example's option
+])
+def test_bad_settings_are_named_with_the_value(overrides, match):
+  with pytest.raises(ValueError, match=match):
+    common.make_config(fashion_mnist, **overrides)
+
+
+def test_compressor_options_reach_the_compressor():
+  config = common.make_config(fashion_mnist, conv_bin_size=25, max_density=0.5)
+  compressor = common.make_compressor(config)
+  assert (compressor.conv_bin_size, compressor.max_density) == (25, 0.5)
+  topk = common.make_compressor(common.make_config(fashion_mnist, compressor="topk",
+                                                   topk_density=0.05))
+  assert topk.density == 0.05
+
+
+def test_cross_device_ops_exchange_trains_and_is_measured(tmp_path):
+  """--exchange=cross_device_ops: CompressedAllReduce in the strategy, plain optimizer."""
+  config = example_runs.small_config(fashion_mnist, tmp_path, synthetic=True,
+                                     compressor="topk", exchange="cross_device_ops")
+  summary = common.train(fashion_mnist, config)
+  example_runs.check_summary(summary, tmp_path, kinds=("conv", "dense"))
+  assert summary["compression"]["dense"]["ratio"] > 10
+
+
+def test_a_rerun_resumes_from_the_model_dir(tmp_path):
+  """Weights, optimizer state and residues come back; training continues, not restarts."""
+  first = example_runs.small_config(fashion_mnist, tmp_path, synthetic=True,
+                                    compressor="adacomp")
+  common.train(fashion_mnist, first)
+  again = example_runs.small_config(fashion_mnist, tmp_path, synthetic=True,
+                                    compressor="adacomp", epochs=2)
+  summary = common.train(fashion_mnist, again)
+  assert summary["steps"] == 6  # 3 restored + 3 new
+  assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 6
+
+
+def test_format_summary_puts_runs_side_by_side():
+  def fake(compressor, ratio):
+    entry = {"dense_bytes_per_step": 400.0, "sent_bytes_per_step": 400.0 / ratio,
+             "ratio": ratio}
+    return {"example": "x", "synthetic": False, "compressor": compressor, "replicas": 4,
+            "strategy": "mirrored", "steps": 10, "batch_size": 8, "test_accuracy": 0.5,
+            "bytes_sent_per_step": 400.0 / ratio, "dense_bytes_per_step": 400.0,
+            "compression": {"total": entry, "conv": entry}, "train_seconds": 1.0,
+            "wall_seconds": 2.0}
+  text = common.format_summary(fake("adacomp", 100.0), fake("none", 1.0))
+  row = next(line for line in text.splitlines() if line.startswith("  conv layers"))
+  assert row.split()[-2:] == ["100.0x", "1.0x"]
+  assert "dense float32 bytes / step" in text

@@ -1,0 +1,35 @@
+"""The Shakespeare LSTM example: windows, the tfds pipeline (mocked), an AdaComp run."""
+
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+import example_runs
+from tf_adacomp.examples import common
+from tf_adacomp.examples import shakespeare_lstm
+
+
+def test_windows_are_next_character_pairs():
+  x, y = shakespeare_lstm.windows(np.arange(11), 3)
+  np.testing.assert_array_equal(x, [[0, 1, 2], [3, 4, 5], [6, 7, 8]])
+  np.testing.assert_array_equal(y, [[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+
+
+def test_windows_need_enough_text():
+  with pytest.raises(ValueError, match="seq_length=10"):
+    shakespeare_lstm.windows(np.arange(10), 10)
+
+
+def test_trains_with_adacomp_on_the_tfds_pipeline(tmp_path):
+  config = example_runs.small_config(
+      shakespeare_lstm, tmp_path, compressor="adacomp", seq_length=4, lstm_units=32,
+      embedding_dim=8, data_dir=str(tmp_path / "tfds"))
+  with tfds.testing.mock_data(num_examples=1):
+    data = shakespeare_lstm.load_data(config)
+    x, y = next(iter(data.train.batch(2)))
+    assert x.shape == (2, 4) and y.shape == (2, 4)
+    np.testing.assert_array_equal(x[:, 1:], y[:, :-1])  # shifted by one character
+    summary = common.train(shakespeare_lstm, config)
+  example_runs.check_summary(summary, tmp_path, kinds=("recurrent", "dense", "vector"))
+  # The LSTM's kernel and recurrent kernel are "recurrent"; embedding and output "dense".
+  assert summary["compression"]["recurrent"]["ratio"] > 5
