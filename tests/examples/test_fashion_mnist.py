@@ -1,7 +1,6 @@
 """The Fashion-MNIST example: IDX reading, the data sources, a real training run."""
 
 import gzip
-import os
 
 import numpy as np
 import pytest
@@ -16,27 +15,11 @@ needs_files = pytest.mark.skipif(not HAVE_FILES, reason="Debian's dataset-fashio
                                  "not installed (apt-get install dataset-fashion-mnist)")
 
 
-def _write_idx(path, array, compress=True):
-  header = bytes([0, 0, 0x08, array.ndim]) + b"".join(
-      int(n).to_bytes(4, "big") for n in array.shape)
-  opener = gzip.open if compress else open
-  with opener(path, "wb") as f:
-    f.write(header + array.astype(np.uint8).tobytes())
-
-
-def _write_dataset(directory, n_train=64, n_test=16):
-  rng = np.random.default_rng(0)
-  for split, n in (("train", n_train), ("test", n_test)):
-    images, labels = fashion_mnist.FILES[split]
-    _write_idx(os.path.join(directory, images), rng.integers(0, 256, (n, 28, 28)))
-    _write_idx(os.path.join(directory, labels), rng.integers(0, 10, (n,)))
-
-
 @pytest.mark.parametrize("compress", [True, False])
 def test_read_idx_round_trip(tmp_path, compress):
   array = np.arange(2 * 3 * 4).reshape(2, 3, 4)
   path = str(tmp_path / ("a.idx.gz" if compress else "a.idx"))
-  _write_idx(path, array, compress)
+  example_runs.write_idx(path, array, compress)
   np.testing.assert_array_equal(fashion_mnist.read_idx(path), array)
 
 
@@ -54,7 +37,7 @@ def test_read_idx_rejects_other_files(tmp_path):
 
 
 def test_data_dir_with_idx_files_is_read(tmp_path):
-  _write_dataset(tmp_path)
+  example_runs.write_fashion_mnist(tmp_path)
   config = fashion_mnist.common.make_config(fashion_mnist, data_dir=str(tmp_path))
   data = fashion_mnist.load_data(config)
   assert (data.train_size, data.test_size) == (64, 16)

@@ -33,3 +33,19 @@ def test_trains_with_adacomp_on_the_tfds_pipeline(tmp_path):
   example_runs.check_summary(summary, tmp_path, kinds=("recurrent", "dense", "vector"))
   # The LSTM's kernel and recurrent kernel are "recurrent"; embedding and output "dense".
   assert summary["compression"]["recurrent"]["ratio"] > 5
+
+
+def test_text_files_are_concatenated_and_split(tmp_path):
+  (tmp_path / "b.txt").write_text("KING. Speak.\n" * 10)
+  (tmp_path / "a.txt").write_text("A" * 70)
+  train, test = shakespeare_lstm.read_text_files(f"{tmp_path}/*.txt")
+  assert train + test == "A" * 70 + "KING. Speak.\n" * 10  # sorted by path
+  assert len(test) == 200 - int(200 * 0.95)
+  config = common.make_config(shakespeare_lstm, text_files=f"{tmp_path}/*.txt", seq_length=4)
+  data = shakespeare_lstm.load_data(config)
+  assert data.info["vocabulary_size"] == len(set(train)) + 1
+
+
+def test_text_files_that_match_nothing_are_named(tmp_path):
+  with pytest.raises(ValueError, match="text_files="):
+    shakespeare_lstm.read_text_files(f"{tmp_path}/none*.txt")
