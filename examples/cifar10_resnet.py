@@ -16,6 +16,8 @@ from absl import flags
 
 from tf_adacomp.examples import common
 
+flags.adopt_module_key_flags(common)  # --help lists the shared flags too
+
 NAME = "cifar10_resnet"
 DEFAULTS = dict(epochs=160, batch_size=128, learning_rate=0.1, lr_schedule="step")
 OPTIONS = dict(depth=20, dataset="cifar10")

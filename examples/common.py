@@ -108,7 +108,8 @@ class Config:
 class Data:
   """An example's data: unbatched ``(x, y)`` datasets and split sizes.
 
-  ``train`` is shuffled and augmented (``train`` repeats it); ``test`` is in order.
+  ``train`` is shuffled and augmented (``pipelines`` repeats and batches it); ``test``
+  is in order.
   """
   train: Any
   test: Any
@@ -158,6 +159,7 @@ def validate(config: Config):
       raise ValueError(f"`{name}` must be {rule}. Received: {name}={getattr(config, name)!r}")
 
   need(config.strategy in STRATEGIES, "strategy", f"one of {STRATEGIES}")
+  need(config.compressor in COMPRESSORS, "compressor", f"one of {COMPRESSORS}")
   need(config.exchange in EXCHANGES, "exchange", f"one of {EXCHANGES}")
   need(config.lr_schedule in LR_SCHEDULES, "lr_schedule", f"one of {LR_SCHEDULES}")
   need(config.optimizer in OPTIMIZERS, "optimizer", f"one of {OPTIMIZERS}")
@@ -180,6 +182,7 @@ def validate(config: Config):
          "cross-device ops)")
   if config.replicas and config.batch_size % config.replicas:
     need(False, "batch_size", f"divisible by replicas={config.replicas}")
+  make_compressor(config)  # its own checks: bin sizes, densities (named, with the value)
 
 
 # --- Strategy -----------------------------------------------------------------------
@@ -373,16 +376,15 @@ def train(example, config: Config) -> Dict[str, Any]:
         keras.callbacks.TensorBoard(os.path.join(model_dir, "logs"))]
 
   fit_start = time.perf_counter()
-  history = model.fit(train_data, epochs=config.epochs, steps_per_epoch=steps_per_epoch,
-                      shuffle=False,  # the pipelines shuffle
-                      callbacks=callbacks, verbose=config.verbose if chief else 0)
+  model.fit(train_data, epochs=config.epochs, steps_per_epoch=steps_per_epoch,
+            shuffle=False,  # the pipelines shuffle
+            callbacks=callbacks, verbose=config.verbose if chief else 0)
   train_seconds = time.perf_counter() - fit_start
   test_loss, test_accuracy = model.evaluate(test_data, steps=config.eval_steps, verbose=0)
-  del history
   steps = int(model.optimizer.iterations.numpy())  # resumed runs count their earlier steps
 
-  summary = summarize(example, config, model, strategy, stats.totals() if callbacks and
-                      config.compressor != "none" else None)
+  summary = summarize(example, config, model, strategy,
+                      stats.totals() if config.compressor != "none" else None)
   summary.update(test_accuracy=float(test_accuracy), test_loss=float(test_loss),
                  steps=steps, steps_per_epoch=steps_per_epoch,
                  train_seconds=train_seconds, wall_seconds=time.perf_counter() - start)

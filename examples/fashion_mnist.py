@@ -13,8 +13,11 @@ import os
 import sys
 
 from absl import app
+from absl import flags
 
 from tf_adacomp.examples import common
+
+flags.adopt_module_key_flags(common)  # --help lists the shared flags too
 
 NAME = "fashion_mnist"
 DEFAULTS = dict(epochs=2, batch_size=128, learning_rate=0.05, lr_schedule="cosine")

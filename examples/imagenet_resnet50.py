@@ -18,6 +18,8 @@ from absl import flags
 
 from tf_adacomp.examples import common
 
+flags.adopt_module_key_flags(common)  # --help lists the shared flags too
+
 NAME = "imagenet_resnet50"
 DEFAULTS = dict(epochs=90, batch_size=1024, learning_rate=0.4, lr_schedule="cosine",
                 warmup_epochs=5.0)

@@ -20,6 +20,8 @@ from absl import flags
 
 from tf_adacomp.examples import common
 
+flags.adopt_module_key_flags(common)  # --help lists the shared flags too
+
 NAME = "shakespeare_lstm"
 DEFAULTS = dict(epochs=10, batch_size=64, learning_rate=0.002, optimizer="adam")
 OPTIONS = dict(seq_length=100, lstm_units=512, embedding_dim=64, text_files=None)

@@ -38,6 +38,11 @@ def test_an_unknown_example_is_refused():
   assert result.returncode != 0 and "invalid choice: 'mnist_gan'" in result.stderr
 
 
+def test_demo_refuses_an_unknown_compressor():
+  result = _cli("demo", "--compressors=adacomp,zip")
+  assert result.returncode != 0 and "compressors='adacomp,zip'" in result.stderr
+
+
 def test_demo_prints_both_summaries_side_by_side(tmp_path):
   result = _cli("demo", "--replicas=2", f"--model_dir={tmp_path}", *SMOKE)
   assert result.returncode == 0, result.stderr[-3000:]

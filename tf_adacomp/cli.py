@@ -10,9 +10,9 @@ TensorFlow, one set of devices, per run), then prints their summaries side by si
 """
 
 import argparse
-import importlib
 import json
 import os
+import runpy
 import subprocess
 import sys
 import tempfile
@@ -21,10 +21,11 @@ EXAMPLES = ("fashion_mnist", "cifar10_resnet", "imagenet_resnet50", "shakespeare
 
 
 def _train(name, flags):
-  from absl import app
-
-  module = importlib.import_module(f"tf_adacomp.examples.{name}")
-  app.run(module.main, argv=[f"tf-adacomp train {name}", *flags])
+  # Exactly `python -m tf_adacomp.examples.<name> <flags>`: absl then shows that
+  # example's docstring and flags in --help.
+  module = f"tf_adacomp.examples.{name}"
+  sys.argv = [module, *flags]
+  runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 def _demo(args, extra_flags):
@@ -67,6 +68,12 @@ def main(argv=None):
                     help="where each run keeps <compressor>/summary.json, checkpoints and "
                     "logs (a new temporary directory; an existing one resumes)")
   args, rest = parser.parse_known_args(argv)
+  if args.command == "demo":
+    from tf_adacomp.examples import common
+    unknown = [c for c in args.compressors.split(",") if c not in common.COMPRESSORS]
+    if unknown:
+      parser.error(f"--compressors takes names from {', '.join(common.COMPRESSORS)}. "
+                   f"Received: compressors={args.compressors!r}")
   if args.command == "train":
     _train(args.name, rest)  # absl parses (and checks) the example's flags
     return 0

@@ -36,6 +36,9 @@ def test_example_defaults_then_overrides():
     ({"exchange": "cross_device_ops", "strategy": "one_device"}, "strategy='one_device'"),
     ({"lr_schedule": "legw"}, "lr_schedule='legw'"),
     ({"depth": 20}, "depth=20"),  # another example's option
+    ({"compressor": "zip"}, "compressor='zip'"),
+    ({"conv_bin_size": 0}, "conv_bin_size=0"),
+    ({"compressor": "topk", "topk_density": 1.5}, "density=1.5"),
 ])
 def test_bad_settings_are_named_with_the_value(overrides, match):
   with pytest.raises(ValueError, match=match):
