@@ -19,7 +19,6 @@ import dataclasses
 import json
 import math
 import os
-import sys
 import time
 from typing import Any, Dict, Optional
 
@@ -268,9 +267,9 @@ def make_optimizer(config: Config, steps_per_epoch: int):
   import tf_adacomp
 
   total = config.epochs * steps_per_epoch
-  rate = tf_adacomp.schedules.WarmupDecay(config.learning_rate, total_steps=total,
-                               warmup_steps=int(round(config.warmup_epochs * steps_per_epoch)),
-                               decay=config.lr_schedule)
+  rate = tf_adacomp.schedules.WarmupDecay(
+      config.learning_rate, total_steps=total, decay=config.lr_schedule,
+      warmup_steps=int(round(config.warmup_epochs * steps_per_epoch)))
   if config.optimizer == "sgd":
     inner = keras.optimizers.SGD(rate, momentum=0.9)
   else:
@@ -285,12 +284,15 @@ def make_optimizer(config: Config, steps_per_epoch: int):
 
 
 def pipelines(data: Data, config: Config):
-  """Batched, prefetched ``(train, test)``; under multi_worker, sharded by example."""
+  """Batched, prefetched ``(train, test)``; under multi_worker, sharded across workers."""
   import tensorflow as tf
 
   options = tf.data.Options()
-  # The examples' data are in memory or in few files: shard by example, not by file.
-  options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+  # Data in memory or in a few files are sharded by example; an example whose data lie
+  # in many files (ImageNet) says "AUTO" (by file) in Data.info["shard_policy"].
+  policy = data.info.get("shard_policy", "DATA")
+  options.experimental_distribute.auto_shard_policy = getattr(
+      tf.data.experimental.AutoShardPolicy, policy)
   train = (data.train.repeat().batch(config.batch_size, drop_remainder=True)
            .prefetch(tf.data.AUTOTUNE).with_options(options))
   test = data.test.batch(config.batch_size).prefetch(tf.data.AUTOTUNE).with_options(options)

@@ -5,8 +5,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 SMOKE = ["--synthetic", "--epochs=1", "--steps_per_epoch=3", "--eval_steps=1",
          "--batch_size=8"]
 
