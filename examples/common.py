@@ -389,7 +389,8 @@ def train(example, config: Config) -> Dict[str, Any]:
                       stats.totals() if config.compressor != "none" else None)
   summary.update(test_accuracy=float(test_accuracy), test_loss=float(test_loss),
                  steps=steps, steps_per_epoch=steps_per_epoch,
-                 train_seconds=train_seconds, wall_seconds=time.perf_counter() - start)
+                 train_seconds=train_seconds, wall_seconds=time.perf_counter() - start,
+                 config=dataclasses.asdict(config))  # every setting, to reproduce the run
   if chief:
     print(format_summary(summary))
     if model_dir:

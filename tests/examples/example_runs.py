@@ -13,7 +13,7 @@ from tf_adacomp.examples import fashion_mnist
 SUMMARY_FIELDS = {
     "example", "compressor", "strategy", "replicas", "steps", "batch_size", "test_accuracy",
     "test_loss", "compression", "bytes_sent_per_step", "dense_bytes_per_step",
-    "compression_ratio", "train_seconds", "wall_seconds"}
+    "compression_ratio", "train_seconds", "wall_seconds", "config"}
 
 
 def small_config(example, model_dir, **overrides):

@@ -33,6 +33,7 @@ def test_trains_with_adacomp_on_the_tfds_pipeline(tmp_path):
   example_runs.check_summary(summary, tmp_path, kinds=("recurrent", "dense", "vector"))
   # The LSTM's kernel and recurrent kernel are "recurrent"; embedding and output "dense".
   assert summary["compression"]["recurrent"]["ratio"] > 5
+  assert summary["config"]["options"]["lstm_units"] == 32  # the run can be repeated
 
 
 def test_text_files_are_concatenated_and_split(tmp_path):
