@@ -402,14 +402,15 @@ def train(example, config: Config) -> Dict[str, Any]:
 
 def summarize(example, config, model, strategy, totals):
   """The run's settings and bytes per step: measured totals, or dense for "none"."""
-  from tf_adacomp.compressors.base import infer_kind
+  import tf_adacomp
+  from tf_adacomp import stats
 
-  dense = {}
-  for variable in model.trainable_variables:
-    if variable.dtype in ("float16", "bfloat16", "float32", "float64"):
-      kind = infer_kind(variable.shape, variable.path)
-      for key in (kind, "total"):
-        dense[key] = dense.get(key, 0) + 4 * math.prod(variable.shape)
+  # The library's own accounting: each variable's kind and float32 bytes, from its plan.
+  baseline = tf_adacomp.NoCompression()
+  plans = [baseline.plan(v.shape, v.dtype, v.path) for v in model.trainable_variables
+           if v.dtype in ("float16", "bfloat16", "float32", "float64")]
+  dense = {kind: entry["dense_bytes"]
+           for kind, entry in stats.summarize((p, p.dense_nbytes) for p in plans).items()}
   compression = {}
   for kind, dense_bytes in dense.items():
     if totals and kind in totals and totals[kind]["steps"]:
