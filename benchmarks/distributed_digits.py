@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import digits_data  # noqa: E402  (the tests' data and model, shared on purpose)
+import report  # noqa: E402  (benchmarks/report.py, beside this script)
 import tf_adacomp  # noqa: E402
 
 DEVICES = [f"/cpu:{i}" for i in range(4)]
@@ -87,10 +88,7 @@ def main():
       print(f"{path:<17}{compressor:<11}{r['steps']:>6}{r['test_accuracy']:>10.4f}"
             f"{r['bytes_sent_per_step']:>12.0f}{r['compression_ratio']:>8.1f}x"
             f"{r['wall_seconds']:>8.1f}", flush=True)
-  os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-  with open(args.json, "w") as f:
-    json.dump(rows, f, indent=2)
-  print(f"wrote {args.json}")
+  report.write_json(args.json, rows)
 
 
 if __name__ == "__main__":

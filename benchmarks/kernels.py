@@ -10,7 +10,6 @@ same run on the same tensors (these machines are noisy); each time is the median
 """
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -19,6 +18,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
+import report  # benchmarks/report.py, beside this script
 import tf_adacomp
 from tf_adacomp import ops
 
@@ -109,10 +109,7 @@ def main():
                         "tensorflow": tf.__version__,
                         "devices": [d.name for d in tf.config.list_logical_devices()]},
             "rows": rows}
-  os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-  with open(args.json, "w") as f:
-    json.dump(result, f, indent=2)
-  print(f"wrote {args.json}")
+  report.write_json(args.json, result)
 
 
 if __name__ == "__main__":
