@@ -387,6 +387,12 @@ def train(example, config: Config) -> Dict[str, Any]:
 
   summary = summarize(example, config, model, strategy,
                       stats.totals() if config.compressor != "none" else None)
+  if config.compressor != "none":  # what each layer weight got, per step of this fit
+    summary["variables"] = {
+        name: {"kind": v["kind"], "shape": v["shape"],
+               "dense_bytes_per_step": v["dense_bytes"] / v["steps"],
+               "sent_bytes_per_step": v["sent_bytes"] / v["steps"], "ratio": v["ratio"]}
+        for name, v in stats.variable_totals().items()}
   summary.update(test_accuracy=float(test_accuracy), test_loss=float(test_loss),
                  steps=steps, steps_per_epoch=steps_per_epoch,
                  train_seconds=train_seconds, wall_seconds=time.perf_counter() - start,

@@ -3,26 +3,29 @@
 import math
 
 import pytest
+import tensorflow as tf
 
 import tf_adacomp
+from tf_adacomp.compressors import base
+
+CONV = base.TensorPlan("conv2d/kernel", tf.TensorShape([1, 1, 10, 10]), tf.float32, "conv",
+                       summable=False)  # 400 float32 bytes
+DENSE = base.TensorPlan("dense/kernel", tf.TensorShape([10, 25]), tf.float32, "dense",
+                        summable=False)  # 1000 float32 bytes
 
 
 class _Source:
-  """Returns the given per-step summaries in turn (as CompressedOptimizer would)."""
+  """Returns the given per-step variable bytes in turn (as CompressedOptimizer would)."""
 
   def __init__(self, steps):
     self.steps = list(steps)
 
-  def compression_stats(self):
+  def variable_bytes(self):
     return self.steps.pop(0)
 
 
 def _step(conv_sent, dense_sent):
-  conv = {"dense_bytes": 400.0, "sent_bytes": conv_sent, "ratio": 400.0 / conv_sent}
-  dense = {"dense_bytes": 1000.0, "sent_bytes": dense_sent, "ratio": 1000.0 / dense_sent}
-  total = {"dense_bytes": 1400.0, "sent_bytes": conv_sent + dense_sent,
-           "ratio": 1400.0 / (conv_sent + dense_sent)}
-  return {"conv": conv, "dense": dense, "total": total}
+  return [(CONV, conv_sent), (DENSE, dense_sent)]
 
 
 def test_totals_are_sums_over_the_steps_and_logs_per_step():
@@ -42,7 +45,7 @@ def test_totals_are_sums_over_the_steps_and_logs_per_step():
 
 
 def test_totals_restart_with_each_fit_and_skip_steps_without_figures():
-  stats = tf_adacomp.CompressionStats(source=_Source([_step(40, 10), {}, _step(20, 5)]))
+  stats = tf_adacomp.CompressionStats(source=_Source([_step(40, 10), [], _step(20, 5)]))
   stats.on_train_begin()
   stats.on_train_batch_end(0, {})
   stats.on_train_begin()  # a second fit
@@ -51,3 +54,16 @@ def test_totals_restart_with_each_fit_and_skip_steps_without_figures():
   assert stats.totals()["total"]["steps"] == 1
   assert stats.totals()["total"]["sent_bytes"] == 25.0
   assert math.isclose(stats.totals()["dense"]["ratio"], 200.0)
+
+
+def test_variable_totals_are_per_variable_sums_over_the_steps():
+  stats = tf_adacomp.CompressionStats(source=_Source([_step(40, 10), _step(20, 5)]))
+  stats.on_train_begin()
+  for batch in range(2):
+    stats.on_train_batch_end(batch, {})
+  variables = stats.variable_totals()
+  assert list(variables) == ["conv2d/kernel", "dense/kernel"]
+  assert variables["conv2d/kernel"] == {"kind": "conv", "shape": [1, 1, 10, 10],
+                                        "dense_bytes": 800.0, "sent_bytes": 60.0, "steps": 2,
+                                        "ratio": pytest.approx(800 / 60)}
+  assert variables["dense/kernel"]["ratio"] == pytest.approx(2000 / 15)

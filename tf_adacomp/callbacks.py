@@ -3,6 +3,7 @@
 import keras
 import tensorflow as tf
 
+from tf_adacomp import stats
 from tf_adacomp.cross_device_ops import CompressedAllReduce
 from tf_adacomp.optimizer import CompressedOptimizer
 
@@ -15,7 +16,8 @@ class CompressionStats(keras.callbacks.Callback):
   ``bytes_sent`` (one replica, one step); the epoch logs (and so ``History`` and
   Keras' own TensorBoard callback) get their means over the epoch. With ``log_dir``,
   the per-step values are also written as TensorBoard scalars under ``compression/``.
-  ``totals()`` gives the bytes and ratios of the whole training run.
+  ``totals()`` gives the bytes and ratios of the whole training run, per kind;
+  ``variable_totals()`` the same per variable (per layer weight).
 
   Args:
     source: the ``CompressedOptimizer`` or ``CompressedAllReduce`` to read; by default
@@ -34,6 +36,7 @@ class CompressionStats(keras.callbacks.Callback):
     self._writer = None
     self._epoch = []
     self._totals = {}
+    self._variables = {}
 
   def _find_source(self):
     optimizer = self.model.optimizer
@@ -51,6 +54,7 @@ class CompressionStats(keras.callbacks.Callback):
     if self.source is None:
       self.source = self._find_source()
     self._totals = {}
+    self._variables = {}
     if self.log_dir and self._writer is None:
       self._writer = tf.summary.create_file_writer(self.log_dir)
 
@@ -58,9 +62,17 @@ class CompressionStats(keras.callbacks.Callback):
     self._epoch = []
 
   def on_train_batch_end(self, batch, logs=None):
-    summary = self.source.compression_stats()
-    if not summary:
+    variable_bytes = self.source.variable_bytes()
+    if not variable_bytes:
       return
+    for plan, nbytes in variable_bytes:
+      total = self._variables.setdefault(plan.name, {
+          "kind": plan.kind, "shape": plan.shape.as_list(), "dense_bytes": 0.0,
+          "sent_bytes": 0.0, "steps": 0})
+      total["dense_bytes"] += plan.dense_nbytes
+      total["sent_bytes"] += nbytes
+      total["steps"] += 1
+    summary = stats.summarize(variable_bytes)
     for kind, entry in summary.items():
       total = self._totals.setdefault(kind, {"dense_bytes": 0.0, "sent_bytes": 0.0, "steps": 0})
       total["dense_bytes"] += entry["dense_bytes"]
@@ -93,13 +105,20 @@ class CompressionStats(keras.callbacks.Callback):
       entry: float32 bytes and bytes one replica sent, summed over the steps, and
       their ratio (the compression achieved over the run). Empty before training.
     """
-    return {kind: dict(entry, ratio=entry["dense_bytes"] / entry["sent_bytes"]
-                       if entry["sent_bytes"] else float("nan"))
-            for kind, entry in self._totals.items()}
+    return _with_ratios(self._totals)
+
+  def variable_totals(self):
+    """Like ``totals()``, per variable: the compression each layer weight got.
+
+    Returns:
+      ``{variable name: {"kind", "shape", "dense_bytes", "sent_bytes", "steps",
+      "ratio"}}`` in the order the exchange sends them. Empty before training.
+    """
+    return _with_ratios(self._variables)
 
   def step_values(self):
     """``{log name: value}`` for the last step."""
-    summary = self.source.compression_stats()
+    summary = stats.summarize(self.source.variable_bytes())
     return self._values(summary) if summary else {}
 
   @staticmethod
@@ -110,3 +129,10 @@ class CompressionStats(keras.callbacks.Callback):
       if kind != "total":
         values[f"compression_ratio_{kind}"] = entry["ratio"]
     return values
+
+
+def _with_ratios(totals):
+  """Adds ``ratio`` (dense bytes / bytes sent; NaN when nothing was sent) to each entry."""
+  return {name: dict(entry, ratio=entry["dense_bytes"] / entry["sent_bytes"]
+                     if entry["sent_bytes"] else float("nan"))
+          for name, entry in totals.items()}

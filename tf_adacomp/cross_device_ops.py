@@ -181,9 +181,13 @@ class CompressedAllReduce(cross_device_ops_lib.CrossDeviceOps, tf.Module):
     """``{key: bytes one device sent for that tensor in its last reduction}``."""
     return {key: int(v.numpy()) for key, v in self.nbytes.items()}
 
+  def variable_bytes(self):
+    """``[(plan, bytes one device sent for that tensor in its last reduction)]``."""
+    return [(self._plans[k], n) for k, n in self.bytes_sent().items()]
+
   def compression_stats(self):
     """Bytes of the last reduction per tensor kind and in total (see ``stats``)."""
-    return stats.summarize([(self._plans[k], n) for k, n in self.bytes_sent().items()])
+    return stats.summarize(self.variable_bytes())
 
 
 def _compressible(value) -> bool:

@@ -183,11 +183,15 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
 
   # --- Statistics and serialization -----------------------------------------------
 
+  def variable_bytes(self):
+    """``[(plan, bytes one replica sent for that variable in the last step)]``."""
+    if not self.built:
+      return []
+    return list(zip(self.plans, (int(b) for b in self.bytes_sent.numpy())))
+
   def compression_stats(self):
     """Bytes of the last step per variable kind and in total (see ``stats``)."""
-    if not self.built:
-      return {}
-    return stats.summarize(list(zip(self.plans, self.bytes_sent.numpy())))
+    return stats.summarize(self.variable_bytes()) if self.built else {}
 
   def get_config(self):
     return {

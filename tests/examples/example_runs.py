@@ -31,6 +31,11 @@ def check_summary(summary, model_dir, kinds):
   for entry in summary["compression"].values():
     assert entry["sent_bytes_per_step"] > 0 and math.isfinite(entry["ratio"])
   assert 0.0 <= summary["test_accuracy"] <= 1.0
+  if summary["compressor"] != "none":  # per variable, adding up to the per-kind figures
+    variables = summary["variables"]
+    assert {v["kind"] for v in variables.values()} == set(summary["compression"]) - {"total"}
+    assert math.isclose(sum(v["sent_bytes_per_step"] for v in variables.values()),
+                        summary["bytes_sent_per_step"], rel_tol=1e-9)
   with open(os.path.join(model_dir, "summary.json")) as f:
     written = json.load(f)
   assert json.dumps(written, sort_keys=True) == json.dumps(summary, sort_keys=True)
