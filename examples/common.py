@@ -334,12 +334,13 @@ def synthetic_data(x_shape, num_classes, train_size, test_size, seed, x_dtype="f
 # --- Training -----------------------------------------------------------------------
 
 
-def train(example, config: Config) -> Dict[str, Any]:
+def train(example, config: Config, callbacks=()) -> Dict[str, Any]:
   """Trains ``example`` as ``config`` says; returns (and writes) the run's summary.
 
   Args:
     example: an example module (``NAME``, ``DEFAULTS``, ``load_data``, ``build_model``).
     config: from ``make_config`` or ``config_from_flags``.
+    callbacks: more Keras callbacks for ``fit`` (e.g. a benchmark's step timer).
 
   Returns:
     The summary dict (see ``summarize``); also printed, and written to
@@ -369,7 +370,7 @@ def train(example, config: Config) -> Dict[str, Any]:
 
   stats = tf_adacomp.CompressionStats(
       log_dir=os.path.join(model_dir, "logs", "compression") if model_dir else None)
-  callbacks = [stats] if config.compressor != "none" else []
+  callbacks = list(callbacks) + ([stats] if config.compressor != "none" else [])
   if model_dir:
     callbacks += [
         # Weights, optimizer state and residues, every epoch; a rerun resumes from them.
