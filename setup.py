@@ -22,7 +22,7 @@ setup(
     ],
     extras_require={
         "examples": ["scikit-learn", "tensorflow-datasets", "matplotlib"],
-        "test": ["pytest", "scikit-learn", "tensorflow-datasets"],
+        "test": ["pytest", "scikit-learn", "tensorflow-datasets", "matplotlib"],
     },
     entry_points={"console_scripts": ["tf-adacomp=tf_adacomp.cli:main"]},
 )

@@ -94,7 +94,7 @@ def measure(model, args):
                    "--recurrent_bin_size=500"]
   if model == "resnet20":
     flags.append(f"--dataset={args.resnet_dataset}")
-  if model == "lstm":
+  if model == "lstm" and not args.synthetic:
     flags.append(f"--text_files={args.text_files or shakespeare_files(args.data_dir)}")
   if args.synthetic:
     flags.append("--synthetic")

@@ -3,10 +3,10 @@
 Each worker process runs in its own Linux network namespace; the namespaces are joined
 by a bridge whose ports are limited with ``tc ... tbf`` to --rates (benchmarks/netns.py),
 so the workers' gRPC collectives cross a 100 Mbit/s (or 1 Gbit/s) link as they would
-between machines. For each model (a wide MLP, 5.8M parameters: communication-heavy;
-ResNet-20, 0.27M: compute-heavy) and each compressor, the workers train Fashion-MNIST
-(benchmarks/network_worker.py) and report step time, bytes per step and test accuracy
-every --eval_every steps. Also measured, with the same processes' layout but no
+between machines. For each model (a wide MLP 784-2048-2048-10 of 5.8M parameters,
+communication-heavy; ResNet-20, 0.27M, compute-heavy) and each compressor, the
+workers train Fashion-MNIST (benchmarks/network_worker.py) and report step time,
+bytes per step and test accuracy every --eval_every steps. Also measured, with the same processes' layout but no
 exchange at all: the compute-only step (the floor). Reports per link: the step time,
 the speed-up over the dense all-reduce, the ratio to the floor, and the time to
 --target_accuracy.
@@ -81,6 +81,7 @@ def worker_argv(args, model, compressor, out, alone=False, topk_density=None):
   settings = MODEL_SETTINGS[model]
   argv = [sys.executable, os.path.join(HERE, "network_worker.py"), f"--model={model}",
           f"--compressor={compressor}", f"--batch_size={args.batch_size}",
+          f"--width={args.width}",
           f"--learning_rate={settings['learning_rate']}",
           f"--max_steps={args.max_steps or settings['max_steps']}",
           f"--target_accuracy={settings['target_accuracy'] if args.target_accuracy is None else args.target_accuracy}",
@@ -230,6 +231,7 @@ def main(argv=None):
                       help="topk runs at AdaComp's measured density (adacomp before it)")
   parser.add_argument("--workers", type=int, default=2)
   parser.add_argument("--batch_size", type=int, default=64, help="per worker")
+  parser.add_argument("--width", type=int, default=2048, help="the MLP's hidden width")
   parser.add_argument("--max_steps", type=int, default=None,
                       help="per run (default: mlp 300, resnet20 30)")
   parser.add_argument("--target_accuracy", type=float, default=None,

@@ -1,0 +1,86 @@
+"""The benchmarks run end to end (short, on synthetic data) and write what they say."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+import benchmark_scripts
+import netns
+import report
+
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+
+
+def _run(script, *flags, timeout=600):
+  result = subprocess.run([sys.executable, os.path.join(benchmark_scripts.BENCHMARKS_DIR,
+                                                        script), *flags],
+                          capture_output=True, text=True, env=ENV, timeout=timeout,
+                          check=False)
+  return result
+
+
+def _ok(result):
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  return result.stdout
+
+
+def test_compression_ratio_per_kind_and_layer_with_topk_at_adacomp_density(tmp_path):
+  out = _ok(_run("compression_ratio.py", "--models=lstm", "--compressors=adacomp,topk",
+                 "--steps=2", "--eval_steps=1", "--replicas=2", "--synthetic",
+                 f"--json={tmp_path / 'r.json'}", f"--plot={tmp_path / 'r.png'}",
+                 f"--work_dir={tmp_path / 'runs'}"))
+  assert "recurrent" in out and "lstm_cell/recurrent_kernel" in out
+  result = json.loads((tmp_path / "r.json").read_text())
+  adacomp, topk = result["models"]["lstm"]["adacomp"], result["models"]["lstm"]["topk"]
+  assert {"dense", "recurrent", "vector", "total"} == set(adacomp["compression"])
+  assert len(adacomp["variables"]) == 6  # embedding, LSTM kernel/recurrent/bias, output
+  for variable in adacomp["variables"].values():
+    assert variable["ratio"] > 1 and math.isfinite(variable["ratio"])
+  density = report.adacomp_elements_sent(adacomp["variables"]) / adacomp["parameters"]
+  assert topk["topk_density"] == pytest.approx(density, rel=1e-5)
+  assert (tmp_path / "r.png").stat().st_size > 0
+
+
+def test_step_time_ratios_to_the_dense_step(tmp_path):
+  out = _ok(_run("step_time.py", "--replicas=2", "--compressors=adacomp", "--steps=2",
+                 "--skip=1", "--synthetic", f"--json={tmp_path / 's.json'}"))
+  assert "target (AdaComp <= 1.3x dense) at N=2" in out
+  rows = json.loads((tmp_path / "s.json").read_text())["rows"]
+  assert [(r["replicas"], r["compressor"]) for r in rows] == [(2, "none"), (2, "adacomp")]
+  assert rows[0]["step_ratio_to_dense"] == 1.0 and rows[1]["step_ratio_to_dense"] > 0
+  assert rows[1]["compression_ratio"] > 10
+
+
+@pytest.mark.skipif(not netns.available(), reason="needs root and iproute2 (ip netns, tc)")
+def test_network_runs_workers_across_limited_namespaces_and_cleans_up(tmp_path):
+  out = _ok(_run("network.py", "--models=mlp", "--rates=100mbit",
+                 "--compressors=none,adacomp", "--width=64", "--max_steps=4",
+                 "--eval_every=2", "--target_accuracy=0.01", "--synthetic",
+                 f"--json={tmp_path / 'n.json'}", f"--plot={tmp_path / 'n.png'}"))
+  assert "measured link" in out
+  result = json.loads((tmp_path / "n.json").read_text())
+  assert 50e6 < result["measured_link_bits_per_second"]["100mbit"] < 130e6
+  dense, adacomp = result["rows"]
+  assert dense["speed_up_over_dense"] == 1.0 and dense["compression_ratio"] == 1.0
+  assert adacomp["compression_ratio"] > 5 and adacomp["time_to_accuracy_seconds"] > 0
+  assert result["compute_only"]["mlp"]["median_step_seconds"] > 0
+  assert (tmp_path / "n.png").stat().st_size > 0
+  leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+  assert "tfac" not in leftovers
+
+
+@pytest.mark.parametrize("script,flags,named", [
+    ("compression_ratio.py", ["--models=vgg"], "models='vgg'"),
+    ("compression_ratio.py", ["--steps=0"], "steps=0"),
+    ("step_time.py", ["--steps=0"], "steps=0"),
+    ("network.py", ["--compressors=topk,adacomp"], "compressors='topk,adacomp'"),
+    ("network.py", ["--rates=fast"], "rate='fast'"),
+    ("network.py", ["--workers=1"], "workers=1"),
+])
+def test_bad_arguments_are_named(script, flags, named):
+  result = _run(script, *flags, timeout=120)
+  assert result.returncode == 2 and named in result.stderr, result.stderr
