@@ -5,13 +5,13 @@
     host namespace i (address 10.231.0.<i+1>/24, device eth0) --veth-- hub namespace
                                                                        (bridge br0)
 
-one namespace per host plus a hub namespace whose bridge joins them (a switch), with
-a token-bucket filter (``tc qdisc ... tbf``) of ``rate`` on both directions of every
+one namespace per host plus a hub namespace whose bridge joins them (a switch), with a
+token-bucket filter (``tc qdisc ... tbf``) of ``rate`` on both directions of every
 host's link: each host sends and receives at most ``rate``, like a machine on a
-switched network with a ``rate`` port. Hosts have no other interface and no route
-out, so their traffic can only reach each other. ``command(i, argv)`` wraps a
-command to run in host i; ``throughput(src, dst)`` measures a link. On exit (normal, exception, SIGINT or SIGTERM) every namespace
-and interface created is deleted again.
+switched network with a ``rate`` port. Hosts have no other interface and no route out,
+so their traffic can only reach each other. ``command(i, argv)`` wraps a command to
+run in host i; ``throughput(src, dst)`` measures a link. On exit (normal, exception,
+SIGINT or SIGTERM) every namespace and interface created is deleted again.
 
 Needs root (CAP_NET_ADMIN) and ``ip``/``tc`` from iproute2.
 """
@@ -72,7 +72,8 @@ class LimitedNetwork:
 
   def __init__(self, hosts: int = 2, rate: str = "100mbit", prefix: str = "tfac"):
     if isinstance(hosts, bool) or not isinstance(hosts, int) or not 2 <= hosts <= 200:
-      raise ValueError(f"`hosts` must be an integer from 2 to 200. Received: hosts={hosts!r}")
+      raise ValueError(
+          f"`hosts` must be an integer from 2 to 200. Received: hosts={hosts!r}")
     self.hosts, self.rate = hosts, rate
     self.rate_bits = rate_bits(rate)
     self.tag = f"{prefix}{os.getpid()}"

@@ -1,12 +1,13 @@
 """AdaComp on a bandwidth-limited link: MultiWorkerMirroredStrategy across namespaces.
 
 Each worker process runs in its own Linux network namespace; the namespaces are joined
-by a bridge whose ports are limited with ``tc ... tbf`` to --rates (benchmarks/netns.py),
-so the workers' gRPC collectives cross a 100 Mbit/s (or 1 Gbit/s) link as they would
-between machines. For each model (a wide MLP 784-2048-2048-10 of 5.8M parameters,
-communication-heavy; ResNet-20, 0.27M, compute-heavy) and each compressor, the
-workers train Fashion-MNIST (benchmarks/network_worker.py) and report step time,
-bytes per step and test accuracy every --eval_every steps. Also measured, with the same processes' layout but no
+by a bridge whose ports are limited with ``tc ... tbf`` to --rates
+(benchmarks/netns.py), so the workers' gRPC collectives cross a 100 Mbit/s (or 1
+Gbit/s) link as they would between machines. For each model (a wide MLP
+784-2048-2048-10 of 5.8M parameters, communication-heavy; ResNet-20, 0.27M,
+compute-heavy) and each compressor, the workers train Fashion-MNIST
+(benchmarks/network_worker.py) and report step time, bytes per step and test accuracy
+every --eval_every steps. Also measured, with the same processes' layout but no
 exchange at all: the compute-only step (the floor). Reports per link: the step time,
 the speed-up over the dense all-reduce, the ratio to the floor, and the time to
 --target_accuracy.
@@ -43,6 +44,11 @@ MODEL_SETTINGS = {
 }
 
 
+def _read_json(path):
+  with open(path) as f:
+    return json.load(f)
+
+
 def _kill(processes):
   for process in processes:
     if process.poll() is None:
@@ -77,14 +83,21 @@ def run_workers(commands, timeout):
   return codes
 
 
+def target_accuracy(args, model):
+  """--target_accuracy, else the model's own (0: none)."""
+  if args.target_accuracy is None:
+    return MODEL_SETTINGS[model]["target_accuracy"]
+  return args.target_accuracy
+
+
 def worker_argv(args, model, compressor, out, alone=False, topk_density=None):
+  """The command line of one network_worker.py process."""
   settings = MODEL_SETTINGS[model]
   argv = [sys.executable, os.path.join(HERE, "network_worker.py"), f"--model={model}",
           f"--compressor={compressor}", f"--batch_size={args.batch_size}",
-          f"--width={args.width}",
-          f"--learning_rate={settings['learning_rate']}",
+          f"--width={args.width}", f"--learning_rate={settings['learning_rate']}",
           f"--max_steps={args.max_steps or settings['max_steps']}",
-          f"--target_accuracy={settings['target_accuracy'] if args.target_accuracy is None else args.target_accuracy}",
+          f"--target_accuracy={target_accuracy(args, model)}",
           f"--eval_every={args.eval_every}", f"--threads={args.threads}", f"--out={out}"]
   if topk_density:
     argv.append(f"--topk_density={topk_density:.6g}")
@@ -110,7 +123,7 @@ def compute_only(args, model, work):
                        for out in outs], args.run_timeout)
   if any(codes):
     raise RuntimeError(f"compute-only run of {model} failed: return codes {codes}")
-  runs = [json.load(open(out)) for out in outs]
+  runs = [_read_json(out) for out in outs]
   return {"median_step_seconds": statistics.mean(r["median_step_seconds"] for r in runs),
           "evaluations": runs[0]["evaluations"], "step_seconds": runs[0]["step_seconds"]}
 
@@ -131,7 +144,7 @@ def cluster_run(args, net, model, compressor, work, topk_density=None):
   if any(code != 0 for code in codes):
     return {"compressor": compressor, "failed": True, "return_codes": codes,
             "wall_seconds": wall}
-  run = json.load(open(outs[0]))
+  run = _read_json(outs[0])
   run.update(wall_seconds=wall, topk_density=topk_density)
   return run
 
@@ -270,8 +283,7 @@ def main(argv=None):
   work = tempfile.mkdtemp(prefix="tf_adacomp_network_")
   rows, runs, floors, links = [], {}, {}, {}
   for model in models:
-    target = (MODEL_SETTINGS[model]["target_accuracy"] if args.target_accuracy is None
-              else args.target_accuracy)
+    target = target_accuracy(args, model)
     floors[model] = compute_only(args, model, work)
     print(f"{model}: compute-only step {1e3 * floors[model]['median_step_seconds']:.1f} ms",
           flush=True)
@@ -284,6 +296,8 @@ def main(argv=None):
           if compressor == "topk":
             adacomp = runs.get((model, rate, "adacomp"), {})
             if adacomp.get("failed") or not adacomp:
+              print(f"{model} {rate}: topk skipped (it runs at AdaComp's density, and "
+                    "the AdaComp run failed)", flush=True)
               continue
             density = (report.adacomp_elements_sent(adacomp["variables"])
                        / adacomp["parameters"])
