@@ -29,7 +29,7 @@ import tarfile
 
 import report  # benchmarks/report.py, beside this script
 
-PAPER = {"conv": 40.0, "dense": 200.0, "recurrent": 200.0}  # Chen et al. 2018, Table 1
+PAPER = {"conv": 40.0, "dense": 200.0, "recurrent": 200.0}  # Chen et al., AAAI 2018
 KINDS = ("conv", "dense", "recurrent", "vector", "total")
 # The example, and the flags of a brief run of it (batch and rate: the examples' own).
 MODELS = {
@@ -101,10 +101,7 @@ def measure(model, args):
   runs = {}
   for compressor in args.compressors:
     extra = [f"--compressor={compressor}"]
-    if compressor == "topk":
-      if "adacomp" not in runs:
-        raise ValueError("topk is measured at AdaComp's density: list adacomp before it. "
-                         f"Received: compressors={','.join(args.compressors)!r}")
+    if compressor == "topk":  # main() checked that adacomp ran before it
       adacomp = runs["adacomp"]
       density = report.adacomp_elements_sent(adacomp["variables"]) / adacomp["parameters"]
       extra.append(f"--topk_density={density:.6g}")
@@ -201,6 +198,11 @@ def main(argv=None):
                       ("replicas", args.replicas)):
     if value < 1:
       parser.error(f"--{name} must be >= 1. Received: {name}={value}")
+  compressors = args.compressors
+  if "topk" in compressors and ("adacomp" not in compressors
+                                or compressors.index("topk") < compressors.index("adacomp")):
+    parser.error("topk is measured at AdaComp's density: list adacomp before it. "
+                 f"Received: compressors={','.join(compressors)!r}")
   unknown = [m for m in args.models.split(",") if m not in MODELS]
   if unknown:
     parser.error(f"--models takes names from {','.join(MODELS)}. "

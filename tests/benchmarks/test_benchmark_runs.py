@@ -76,6 +76,7 @@ def test_network_runs_workers_across_limited_namespaces_and_cleans_up(tmp_path):
 @pytest.mark.parametrize("script,flags,named", [
     ("compression_ratio.py", ["--models=vgg"], "models='vgg'"),
     ("compression_ratio.py", ["--steps=0"], "steps=0"),
+    ("compression_ratio.py", ["--compressors=topk"], "compressors='topk'"),
     ("step_time.py", ["--steps=0"], "steps=0"),
     ("network.py", ["--compressors=topk,adacomp"], "compressors='topk,adacomp'"),
     ("network.py", ["--rates=fast"], "rate='fast'"),
