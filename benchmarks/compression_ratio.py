@@ -20,6 +20,7 @@ import argparse
 import fnmatch
 import glob
 import json
+import math
 import os
 import platform
 import shutil
@@ -138,18 +139,13 @@ def print_model(model, runs):
         + "".join(f"{c:>10}" for c in per_layer))
   names = runs[per_layer[0]]["variables"] if per_layer else {}
   for name, v in names.items():
-    n = 1
-    for d in v["shape"]:
-      n *= d
-    print(f"{name[-43:]:<44}{v['kind']:>10}{n:>10,}"
+    print(f"{name[-43:]:<44}{v['kind']:>10}{math.prod(v['shape']):>10,}"
           + "".join(f"{runs[c]['variables'][name]['ratio']:>9.1f}x" for c in per_layer))
 
 
 def plot(results, path):
   """Bar chart: ratio per kind, one group per model and kind, one bar per compressor."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = report.pyplot()
 
   groups = [(model, kind, ratios, paper) for model, runs in results.items()
             for kind, ratios, paper in kind_rows(runs)]
@@ -168,9 +164,7 @@ def plot(results, path):
   ax.set_ylabel("dense fp32 bytes / bytes sent")
   ax.set_title("Compression on the wire (dashed: the paper's AdaComp figure)")
   ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  print(f"wrote {path}")
+  report.save_figure(fig, path)
 
 
 def main(argv=None):
@@ -198,11 +192,9 @@ def main(argv=None):
                       ("replicas", args.replicas)):
     if value < 1:
       parser.error(f"--{name} must be >= 1. Received: {name}={value}")
-  compressors = args.compressors
-  if "topk" in compressors and ("adacomp" not in compressors
-                                or compressors.index("topk") < compressors.index("adacomp")):
-    parser.error("topk is measured at AdaComp's density: list adacomp before it. "
-                 f"Received: compressors={','.join(compressors)!r}")
+  order_error = report.topk_order_error(args.compressors)
+  if order_error:
+    parser.error(order_error)
   unknown = [m for m in args.models.split(",") if m not in MODELS]
   if unknown:
     parser.error(f"--models takes names from {','.join(MODELS)}. "

@@ -199,9 +199,7 @@ def print_rows(rows):
 
 def plot(rows, runs, floors, path):
   """Step time per link and compressor (floor dashed); accuracy against training time."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = report.pyplot()
 
   models = sorted({r["model"] for r in rows})
   fig, axes = plt.subplots(1, len(models) + 1, figsize=(5 * (len(models) + 1), 4))
@@ -230,9 +228,7 @@ def plot(rows, runs, floors, path):
   ax.set_ylabel("test accuracy")
   ax.set_title(f"{models[0]}: accuracy against time")
   ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  print(f"wrote {path}")
+  report.save_figure(fig, path)
 
 
 def main(argv=None):
@@ -269,10 +265,9 @@ def main(argv=None):
       netns.rate_bits(rate)
     except ValueError as error:
       parser.error(str(error))
-  if "topk" in compressors and ("adacomp" not in compressors
-                                or compressors.index("topk") < compressors.index("adacomp")):
-    parser.error("topk runs at AdaComp's measured density: list adacomp before it. "
-                 f"Received: compressors={args.compressors!r}")
+  order_error = report.topk_order_error(compressors)
+  if order_error:
+    parser.error(order_error)
   if args.workers < 2:
     parser.error(f"--workers must be >= 2. Received: workers={args.workers}")
   args.threads = args.threads or max(1, (os.cpu_count() or 2) // args.workers)

@@ -1,6 +1,7 @@
-"""What the benchmarks share: writing their figures as JSON, reading AdaComp's bytes."""
+"""What the benchmarks share: JSON and PNG output, AdaComp's bytes read back, checks."""
 
 import json
+import math
 import os
 
 
@@ -22,14 +23,39 @@ def adacomp_elements_sent(variables):
   exchange adds 4 bytes of length (docs/wire_format.md), so ``count`` follows from
   the bytes; the figure is the most any replica sent, averaged over the steps.
   """
+  from tf_adacomp.ops.adacomp import index_bits  # pylint: disable=g-import-not-at-top
+
   total = 0.0
   for v in variables.values():
-    n = 1
-    for d in v["shape"]:
-      n *= d
-    bits = (n - 1).bit_length() + 1
+    n = math.prod(v["shape"])
+    bits = index_bits(n) + 1  # position and sign (docs/wire_format.md)
     sent = (v["sent_bytes_per_step"] if "sent_bytes_per_step" in v
             else v["sent_bytes"] / v["steps"])
     words = (sent - 4) / 4 - 3
     total += min(n, max(words, 0.0) * 32 / bits)
   return total
+
+
+def pyplot():
+  """matplotlib's pyplot, drawing to files only (no display needed)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  return plt
+
+
+def save_figure(fig, path):
+  """Writes ``fig`` as a PNG to ``path`` (creating its folder) and says where."""
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  print(f"wrote {path}")
+
+
+def topk_order_error(compressors):
+  """Why ``compressors`` cannot run (TopK runs at AdaComp's measured density), or None."""
+  if "topk" in compressors and ("adacomp" not in compressors
+                                or compressors.index("topk") < compressors.index("adacomp")):
+    return ("topk runs at AdaComp's measured density: list adacomp before it. "
+            f"Received: compressors={','.join(compressors)!r}")
+  return None
