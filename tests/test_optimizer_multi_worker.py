@@ -10,10 +10,10 @@ from multi_worker import describe
 from multi_worker import run_workers
 
 
-def _run(tmp_path, worker, mode):
+def _run(tmp_path, worker, mode, *more_args):
   out = tmp_path / mode
-  results = run_workers(WORKERS_DIR / worker, num_workers=2, timeout=180, args=[mode],
-                        out_dir=out)
+  results = run_workers(WORKERS_DIR / worker, num_workers=2, timeout=180,
+                        args=[mode, *more_args], out_dir=out)
   assert all(r.returncode == 0 for r in results), describe(results)
   arrays = [dict(np.load(out / f"worker{i}.npz")) for i in range(2)]
   logs = [json.loads((out / f"worker{i}.json").read_text()) for i in range(2)]
@@ -47,3 +47,13 @@ def test_adacomp_over_grpc_keeps_workers_identical_and_compresses(tmp_path):
     assert losses[-1] < losses[0]
     assert log["stats"]["dense"]["ratio"] > 20  # the dense kernels, bytes over gRPC
   assert logs[0]["stats"] == logs[1]["stats"]
+
+
+def test_adacomp_with_adasum_of_deltas_over_grpc(tmp_path):
+  arrays, logs = _run(tmp_path, "compressed_fit.py", "adacomp", "adasum", "delta")
+  for key in (k for k in arrays[0] if k.startswith("final_")):
+    np.testing.assert_array_equal(arrays[0][key], arrays[1][key])
+  for log in logs:
+    losses = log["history"]["loss"]
+    assert losses[-1] < losses[0]
+    assert log["stats"]["dense"]["ratio"] > 20

@@ -15,6 +15,11 @@ every replica trims its payloads, all payloads of a step travel in one all-gathe
 their lengths in another (the collective pads every replica's buffer to the longest),
 and each replica rebuilds the ``[replicas, words]`` rows and decodes them in replica
 order, so that all replicas compute bit-identical sums.
+
+With ``reduction="adasum"`` every payload is all-gathered (summable ones too: Adasum
+needs each replica's tensor, not their sum), each replica's row is decoded on its own,
+and the decoded tensors are combined with ``ops.adasum_reduce`` (same tree, same order, on
+every replica).
 """
 
 from typing import NamedTuple, Optional, Sequence
@@ -23,13 +28,24 @@ import tensorflow as tf
 
 from tf_adacomp.compressors import base
 from tf_adacomp.ops import adacomp as adacomp_ops
+from tf_adacomp.ops import adasum as adasum_ops
+
+REDUCTIONS = ("sum", "adasum")
+
+
+def check_reduction(reduction) -> str:
+  """Returns ``reduction`` if it is one of ``REDUCTIONS``, else raises ValueError naming it."""
+  if reduction not in REDUCTIONS:
+    raise ValueError(f"`reduction` must be one of {REDUCTIONS}. Received: reduction={reduction!r}")
+  return reduction
 
 
 class Exchanged(NamedTuple):
   """Result of an exchange, one entry per gradient (None where the gradient is None).
 
   Attributes:
-    sums: the decoded sum over replicas of every gradient.
+    sums: the decoded sum over replicas of every gradient (with ``reduction="adasum"``,
+      their Adasum).
     states: every gradient's new compressor state on this replica.
     nbytes: int64 scalars, the bytes one replica sends for each gradient (its payload,
       padded to the longest of any replica, plus 4 bytes of length).
@@ -71,7 +87,7 @@ def _rows(data, lengths, index: int, width: int, replicas: int):
 
 def replica_exchange(compressor: base.Compressor, plans: Sequence[base.TensorPlan],
                      grads: Sequence[Optional[tf.Tensor]], states: Sequence[tuple],
-                     dense=None) -> Exchanged:
+                     dense=None, reduction: str = "sum") -> Exchanged:
   """Compresses this replica's gradients, exchanges payloads, decodes their sums.
 
   Must be called in a replica context by every replica, with gradients in the same
@@ -85,13 +101,17 @@ def replica_exchange(compressor: base.Compressor, plans: Sequence[base.TensorPla
     dense: optional scalar bool tensor; when true, non-summable gradients are sent
       dense as float32 (a warm-up step) and their states are kept as they are. The
       same collectives run either way, so replicas never diverge in what they call.
+    reduction: "sum" (the replicas' gradients are added) or "adasum" (combined with
+      ``ops.adasum_reduce``; the caller scales the result as it needs).
 
   Returns:
     An ``Exchanged``.
 
   Raises:
     RuntimeError: called outside a replica context.
+    ValueError: unknown ``reduction``.
   """
+  adasum = check_reduction(reduction) == "adasum"
   ctx = tf.distribute.get_replica_context()
   if ctx is None:
     raise RuntimeError("replica_exchange must be called in a replica context "
@@ -113,7 +133,15 @@ def replica_exchange(compressor: base.Compressor, plans: Sequence[base.TensorPla
                                                     new_states[i])
       gathered[i] = (payload, used)
 
-  if summable:
+  replicas = ctx.num_replicas_in_sync
+  if summable and adasum:
+    # One batched all-gather of every payload, then Adasum of the decoded rows.
+    gathered_rows = ctx.all_gather([p[None] for p in summable.values()], axis=0)
+    for (i, payload), rows in zip(summable.items(), gathered_rows):
+      rows = tf.ensure_shape(rows, [replicas, *payload.shape])  # collectives lose it
+      sums[i] = adasum_ops.adasum_reduce(
+          [compressor.decompress(rows[r], plans[i]) for r in range(replicas)])
+  elif summable:
     reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, list(summable.values()))
     for i, total in zip(summable, reduced):
       sums[i] = compressor.decompress(total, plans[i])
@@ -124,8 +152,12 @@ def replica_exchange(compressor: base.Compressor, plans: Sequence[base.TensorPla
     all_lengths = ctx.all_gather(lengths[None], axis=0)
     all_data = ctx.all_gather(buffer, axis=0)
     for k, (i, (payload, _)) in enumerate(gathered.items()):
-      rows = _rows(all_data, all_lengths, k, int(payload.shape[0]), ctx.num_replicas_in_sync)
-      sums[i] = _decode(compressor, rows, plans[i], dense)
+      rows = _rows(all_data, all_lengths, k, int(payload.shape[0]), replicas)
+      if adasum:
+        sums[i] = adasum_ops.adasum_reduce(
+            [_decode(compressor, rows[r:r + 1], plans[i], dense) for r in range(replicas)])
+      else:
+        sums[i] = _decode(compressor, rows, plans[i], dense)
       nbytes[i] = adacomp_ops.exchange_nbytes(4 * all_lengths[:, k])
   return Exchanged(sums, new_states, nbytes)
 

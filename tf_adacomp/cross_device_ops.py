@@ -11,6 +11,15 @@ copied to the destination devices, and each destination decodes and sums them in
 device order (bit-identical on every device). IndexedSlices, integer tensors and
 tensors without a static shape are reduced exactly (uncompressed).
 
+With ``reduction="adasum"`` the devices' decoded tensors are combined with Adasum
+(``ops.adasum_reduce``) instead of added: a MEAN reduction returns their Adasum (equal tensors
+give their mean, orthogonal ones their sum) and a SUM reduction the number of devices
+times it (equal tensors give their sum, as SUM would). Keras' gradient all-reduce is a SUM
+of per-replica gradients each scaled by 1/replicas, so under ``model.fit`` this is the
+Adasum of the replicas' own mean gradients, as Horovod applies it. Scalars (losses,
+metric totals and counts) are still summed exactly: for three or more devices Adasum of
+scalars is not their sum, and Adasum is meant for gradients.
+
 Residues are keyed by the position of a tensor in its reduction and its shape and dtype;
 a training step must reduce its gradients in the same order every step, as Keras and
 the usual custom loops do. They live in this object, which is a ``tf.Module``: add it to
@@ -26,9 +35,11 @@ from tensorflow.python.distribute import distribute_utils
 from tensorflow.python.distribute import values as values_lib
 from tensorflow.python.ops import resource_variable_ops
 
+from tf_adacomp import collectives
 from tf_adacomp import stats
 from tf_adacomp.compressors import registry
 from tf_adacomp.ops import adacomp as adacomp_ops
+from tf_adacomp.ops import adasum as adasum_ops
 
 
 class CompressedAllReduce(cross_device_ops_lib.CrossDeviceOps, tf.Module):
@@ -41,12 +52,15 @@ class CompressedAllReduce(cross_device_ops_lib.CrossDeviceOps, tf.Module):
       (a dense warm-up) before compression begins.
     min_size: if given, overrides the compressor's ``min_size``: tensors with fewer
       elements are reduced dense.
+    reduction: "sum" (default) or "adasum": how the devices' decoded tensors combine
+      (see the module docstring).
 
   Raises:
-    ValueError: unknown compressor, ``start_step`` < 0 or ``min_size`` < 0.
+    ValueError: unknown compressor or reduction, ``start_step`` < 0 or ``min_size`` < 0.
   """
 
-  def __init__(self, compressor="adacomp", start_step: int = 0, min_size=None):
+  def __init__(self, compressor="adacomp", start_step: int = 0, min_size=None,
+               reduction: str = "sum"):
     cross_device_ops_lib.CrossDeviceOps.__init__(self)
     tf.Module.__init__(self, name="compressed_all_reduce")
     compressor = registry.get_compressor(compressor)
@@ -58,6 +72,7 @@ class CompressedAllReduce(cross_device_ops_lib.CrossDeviceOps, tf.Module):
       raise ValueError(f"`start_step` must be an integer >= 0. Received: start_step={start_step!r}")
     self.compressor = compressor
     self.start_step = start_step
+    self.reduction = collectives.check_reduction(reduction)
     self._exact = cross_device_ops_lib.ReductionToOneDevice()
     self.residues = {}   # key -> [per device: [state variables]]
     self.steps = {}      # key -> int64 variable: reductions done
@@ -66,7 +81,8 @@ class CompressedAllReduce(cross_device_ops_lib.CrossDeviceOps, tf.Module):
 
   def __deepcopy__(self, memo):
     # Strategies deep-copy their cross-device ops; the copy starts with no residues.
-    result = CompressedAllReduce(copy.deepcopy(self.compressor, memo), self.start_step)
+    result = CompressedAllReduce(copy.deepcopy(self.compressor, memo), self.start_step,
+                                 reduction=self.reduction)
     memo[id(self)] = result
     return result
 
@@ -79,7 +95,7 @@ class CompressedAllReduce(cross_device_ops_lib.CrossDeviceOps, tf.Module):
   def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
     results = []
     for index, (value, destinations) in enumerate(value_destination_pairs):
-      if _compressible(value):
+      if _compressible(value) and not (self.reduction == "adasum" and _scalar(value)):
         key = _key(len(value_destination_pairs), index, value.values[0])
         results.append(self._reduce(reduce_op, value, destinations, key))
       else:
@@ -110,7 +126,10 @@ class CompressedAllReduce(cross_device_ops_lib.CrossDeviceOps, tf.Module):
                        lambda: self._exact_sums(components, targets), compressed)
     else:
       sums = compressed()
-    if reduce_op == tf.distribute.ReduceOp.MEAN:
+    if self.reduction == "adasum":
+      if reduce_op == tf.distribute.ReduceOp.SUM:
+        sums = [s * len(components) for s in sums]
+    elif reduce_op == tf.distribute.ReduceOp.MEAN:
       sums = [s / len(components) for s in sums]
     return distribute_utils.regroup(sums, wrap_class=values_lib.Mirrored)
 
@@ -131,7 +150,9 @@ class CompressedAllReduce(cross_device_ops_lib.CrossDeviceOps, tf.Module):
     sums = []
     for target in targets:
       with tf.device(target):
-        if plan.summable:
+        if self.reduction == "adasum":
+          sums.append(adasum_ops.adasum_reduce([self._decode_one(p, plan, width) for p, _ in payloads]))
+        elif plan.summable:
           sums.append(self.compressor.decompress(tf.add_n([p for p, _ in payloads]), plan))
         else:
           rows = tf.stack([tf.pad(p, [[0, width - tf.shape(p)[0]]]) for p, _ in payloads])
@@ -150,11 +171,19 @@ class CompressedAllReduce(cross_device_ops_lib.CrossDeviceOps, tf.Module):
     with tf.control_dependencies(updates):
       return [tf.identity(s) for s in sums]
 
+  def _decode_one(self, payload, plan, width):
+    """One device's (trimmed) payload, decoded on its own (for Adasum)."""
+    if plan.summable:
+      return self.compressor.decompress(payload, plan)
+    row = tf.pad(payload, [[0, width - tf.shape(payload)[0]]])[None]
+    return self.compressor.decompress(tf.ensure_shape(row, [1, width]), plan)
+
   def _exact_sums(self, components, targets):
     sums = []
     for target in targets:
       with tf.device(target):
-        sums.append(tf.add_n([tf.identity(c) for c in components]))
+        copies = [tf.identity(c) for c in components]
+        sums.append(adasum_ops.adasum_reduce(copies) if self.reduction == "adasum" else tf.add_n(copies))
     return sums
 
   def _variables_for(self, key, plan, devices):
@@ -196,6 +225,10 @@ def _compressible(value) -> bool:
   first = value.values[0]
   return (not isinstance(first, tf.IndexedSlices) and first.dtype.is_floating
           and first.shape.is_fully_defined())
+
+
+def _scalar(value) -> bool:
+  return value.values[0].shape.rank == 0
 
 
 def _key(batch: int, index: int, tensor) -> str:

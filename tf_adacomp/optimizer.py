@@ -10,6 +10,21 @@ applied locally, to study its effect on accuracy), under ``MirroredStrategy`` an
 
 A step whose summed gradient is not finite (e.g. float16 overflow) changes nothing:
 the residues are restored and the inner optimizer is not called.
+
+With ``reduction="adasum"`` the replicas' contributions are combined with Adasum
+(``ops.adasum_reduce``) instead of added, in one of two modes:
+
+- ``adasum_mode="gradient"``: Adasum of the replicas' own mean gradients (each replica's
+  gradient times the replica count, since Keras divides every replica's loss by it),
+  handed to the inner optimizer;
+- ``adasum_mode="delta"`` (Horovod's): each replica first takes the inner optimizer's step
+  on its own mean gradient, with its own optimizer state (momentum, Adam moments: each
+  replica keeps its own copy, and a checkpoint saves replica 0's); the updates
+  ``delta = weights after - weights before`` are compressed (with residues), exchanged
+  and combined with Adasum, and every replica sets ``weights = before + Adasum(deltas)``.
+  A step whose gradients are not finite on some replica changes nothing; a combined
+  update that is not finite leaves weights and residues as they were, but the inner
+  optimizers' states have taken their step.
 """
 
 import keras
@@ -23,6 +38,7 @@ from tf_adacomp.compressors import registry
 _BASE_ARGUMENTS = ("weight_decay", "clipnorm", "global_clipnorm", "clipvalue", "use_ema",
                    "ema_momentum", "ema_overwrite_frequency", "loss_scale_factor",
                    "gradient_accumulation_steps")
+ADASUM_MODES = ("gradient", "delta")
 
 
 @keras.saving.register_keras_serializable(package="tf_adacomp")
@@ -36,16 +52,19 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       or a serialized compressor. Default "adacomp".
     start_step: int >= 0; the first ``start_step`` steps exchange dense float32
       gradients (a warm-up) before compression begins. Residues stay zero meanwhile.
+    reduction: "sum" (default) or "adasum": how the replicas' contributions combine.
+    adasum_mode: with ``reduction="adasum"``, "gradient" (default: Adasum of gradients)
+      or "delta" (Adasum of each replica's optimizer update; see the module docstring).
     name: optional name.
 
   Raises:
     TypeError: ``inner_optimizer`` is not a Keras optimizer.
-    ValueError: unknown compressor, ``start_step`` < 0, or base optimizer arguments
-      (set those on the inner optimizer).
+    ValueError: unknown compressor, reduction or adasum_mode, ``start_step`` < 0, or
+      base optimizer arguments (set those on the inner optimizer).
   """
 
   def __init__(self, inner_optimizer, compressor="adacomp", start_step=0, name=None,
-               **kwargs):
+               reduction="sum", adasum_mode="gradient", **kwargs):
     for argument in _BASE_ARGUMENTS:
       # Keras passes the base defaults back when deserializing; anything else belongs to
       # the inner optimizer.
@@ -61,10 +80,17 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
                       f"Received: inner_optimizer={inner_optimizer!r}")
     if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
       raise ValueError(f"`start_step` must be an integer >= 0. Received: start_step={start_step!r}")
+    reduction = collectives.check_reduction(reduction)
+    if adasum_mode not in ADASUM_MODES:
+      raise ValueError(f"`adasum_mode` must be one of {ADASUM_MODES}. "
+                       f"Received: adasum_mode={adasum_mode!r}")
+    compressor = registry.get_compressor(compressor)
     super().__init__(learning_rate=0.0, name=name)
     self.inner_optimizer = inner_optimizer
-    self.compressor = registry.get_compressor(compressor)
+    self.compressor = compressor
     self.start_step = start_step
+    self.reduction = reduction
+    self.adasum_mode = adasum_mode
 
   # --- Variables -------------------------------------------------------------------
 
@@ -122,33 +148,85 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     states = [tuple(tf.convert_to_tensor(r.value) for r in self.residues[i]) for i in indices]
     dense = self.iterations < self.start_step if self.start_step else None
 
-    exchanged = collectives.replica_exchange(self.compressor, plans, grads, states, dense)
-    present = [s for s in exchanged.sums if s is not None]
-    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(s)) for s in present]) if present \
-        else tf.constant(True)
-    for i, old, new in zip(indices, states, exchanged.states):
+    if self.reduction == "adasum" and self.adasum_mode == "delta":
+      self._apply_adasum_of_deltas(grads, trainable_variables, indices, plans, states, dense)
+      return
+    exchanged = collectives.replica_exchange(self.compressor, plans, grads, states, dense,
+                                             reduction=self.reduction)
+    sums = exchanged.sums
+    if self.reduction == "adasum":
+      # Adasum of the replicas' own mean gradients: Keras divides each replica's loss by
+      # the replica count, and Adasum(c * g) = c * Adasum(g).
+      replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+      sums = [None if s is None else s * replicas for s in sums]
+    finite = _all_finite(sums)
+    self._keep_states(indices, states, exchanged.states, finite)
+    self._record_bytes(indices, exchanged.nbytes)
+    self._on_every_replica_if(
+        finite, lambda summed: self._apply_summed(summed, trainable_variables), sums)
+
+  def _apply_adasum_of_deltas(self, grads, variables, indices, plans, states, dense):
+    """Horovod's Adasum: local optimizer steps, then Adasum of the weight updates."""
+    ctx = tf.distribute.get_replica_context()
+    replicas = ctx.num_replicas_in_sync
+    own = [None if g is None else g * replicas for g in grads]  # this replica's mean gradient
+    # Every replica must take the same branch: step only if all gradients are finite.
+    bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                         tf.cast(tf.logical_not(_all_finite(own)), tf.float32))
+    stepped = tf.equal(bad, 0.0)
+    before = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
+    with tf.control_dependencies(before):
+      self._on_every_replica_if(
+          stepped, lambda local: self._apply_summed(local, variables), own)
+    # Automatic control dependencies order these reads after the local step.
+    deltas = [None if g is None else tf.convert_to_tensor(v) - b
+              for g, v, b in zip(grads, variables, before)]
+    exchanged = collectives.replica_exchange(self.compressor, plans, deltas, states, dense,
+                                             reduction="adasum")
+    finite = tf.logical_and(stepped, _all_finite(exchanged.sums))
+    self._keep_states(indices, states, exchanged.states, finite)
+    self._record_bytes(indices, exchanged.nbytes)
+    pairs = [(v, tf.where(finite, b + tf.cast(s, b.dtype), b))
+             for v, b, s in zip(variables, before, exchanged.sums) if s is not None]
+    self._assign_on_every_replica([v for v, _ in pairs], [x for _, x in pairs])
+
+  def _keep_states(self, indices, old_states, new_states, finite):
+    """Stores the compressor states of a finite step; keeps the old ones otherwise."""
+    for i, old, new in zip(indices, old_states, new_states):
       for variable, old_value, new_value in zip(self.residues[i], old, new):
         variable.assign(tf.where(finite, new_value, old_value))
-    self._record_bytes(indices, exchanged.nbytes)
 
+  def _on_every_replica_if(self, flag, fn, values):
+    """Calls ``fn(values)`` in every replica if ``flag`` (the same on every replica).
+
+    ``fn`` may call the inner optimizer, whose updates need a merge_call under
+    MirroredStrategy: a cond around a merge_call must be taken in cross-replica context.
+    """
     if tf.__internal__.distribute.strategy_supports_no_merge_call():
-      tf.cond(finite, lambda: self._apply_summed(exchanged.sums, trainable_variables),
-              lambda: tf.constant(False))
-    else:
-      def apply_in_cross_replica(distribution, sums, finite):
-        # Every replica holds the same sums, hence the same `finite`.
-        finite = distribution.experimental_local_results(finite)[0]
+      tf.cond(flag, lambda: fn(values), lambda: tf.constant(False))
+      return
 
-        def apply_everywhere():
-          distribution.extended.call_for_each_replica(
-              self._apply_summed, args=(sums, trainable_variables))
-          return tf.constant(True)
+    def in_cross_replica(distribution, values, flag):
+      flag = distribution.experimental_local_results(flag)[0]
 
-        # A cond with a merge_call inside must be taken in cross-replica context.
-        tf.cond(finite, apply_everywhere, lambda: tf.constant(False))
+      def everywhere():
+        distribution.extended.call_for_each_replica(fn, args=(values,))
+        return tf.constant(True)
 
-      tf.distribute.get_replica_context().merge_call(
-          apply_in_cross_replica, args=(exchanged.sums, finite))
+      tf.cond(flag, everywhere, lambda: tf.constant(False))
+
+    tf.distribute.get_replica_context().merge_call(in_cross_replica, args=(values, flag))
+
+  def _assign_on_every_replica(self, variables, values):
+    """Sets every copy of each variable to this replica's value (equal on all replicas)."""
+    def assign(distribution, values):
+      for variable, value in zip(variables, values):
+        distribution.extended.update(
+            variable.value if isinstance(variable, keras.Variable) else variable,
+            lambda var, x: var.assign(x), args=(value,), group=False)
+
+    tf.__internal__.distribute.interim.maybe_merge_call(
+        assign, self._distribution_strategy, values)
 
   def _record_bytes(self, indices, nbytes):
     values = tf.tensor_scatter_nd_update(
@@ -199,6 +277,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
         "inner_optimizer": serialization_lib.serialize_keras_object(self.inner_optimizer),
         "compressor": registry.serialize(self.compressor),
         "start_step": self.start_step,
+        "reduction": self.reduction,
+        "adasum_mode": self.adasum_mode,
     }
 
   @classmethod
@@ -207,6 +287,14 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     inner = serialization_lib.deserialize_keras_object(config.pop("inner_optimizer"),
                                                        custom_objects=custom_objects)
     return cls(inner, **config)
+
+
+def _all_finite(tensors):
+  """Scalar bool: every tensor (None entries aside) is finite."""
+  present = [t for t in tensors if t is not None]
+  if not present:
+    return tf.constant(True)
+  return tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in present])
 
 
 def _no_all_reduce(grads_and_vars):

@@ -1,7 +1,7 @@
 """Worker: ``model.fit`` with ``CompressedOptimizer`` under MultiWorkerMirroredStrategy.
 
-Usage: ``compressed_fit.py COMPRESSOR`` (a registered name, e.g. ``none`` or
-``adacomp``). The same model, data and steps as ``keras_fit.py``, with the SGD optimizer
+Usage: ``compressed_fit.py COMPRESSOR [REDUCTION [ADASUM_MODE]]`` (a registered name,
+e.g. ``none`` or ``adacomp``; "sum" or "adasum"; "gradient" or "delta"). The same model, data and steps as ``keras_fit.py``, with the SGD optimizer
 wrapped in ``tf_adacomp.CompressedOptimizer``. Writes to ``$MULTI_WORKER_OUT_DIR``:
 ``worker{i}.npz`` (final weights and this worker's residues) and ``worker{i}.json``
 (history, evaluation, compression statistics of the last step).
@@ -22,6 +22,8 @@ def main():
   from tf_adacomp.distribute import multi_worker_strategy  # pylint: disable=g-import-not-at-top
 
   compressor = sys.argv[1]
+  reduction = sys.argv[2] if len(sys.argv) > 2 else "sum"
+  adasum_mode = sys.argv[3] if len(sys.argv) > 3 else "gradient"
   strategy = multi_worker_strategy()
   keras.utils.set_random_seed(0)
   x, y = keras_fit.load_digits()
@@ -29,7 +31,8 @@ def main():
     model = keras_fit.make_model()
     model.compile(
         optimizer=tf_adacomp.CompressedOptimizer(
-            keras.optimizers.SGD(keras_fit.LEARNING_RATE), compressor),
+            keras.optimizers.SGD(keras_fit.LEARNING_RATE), compressor, reduction=reduction,
+            adasum_mode=adasum_mode),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"])
   history, evaluation = keras_fit.fit(model, x, y)
