@@ -10,7 +10,7 @@ import tensorflow as tf
 import tf_adacomp
 from tf_adacomp.compressors import base
 
-ALL = ["adacomp", "bf16", "fp16", "none", "topk"]
+ALL = ["adacomp", "bf16", "fft", "fp16", "none", "topk"]
 
 
 def test_registry_lists_every_compressor():

@@ -7,6 +7,7 @@ from tf_adacomp.compressors.base import infer_kind
 from tf_adacomp.compressors.cast import BF16
 from tf_adacomp.compressors.cast import FP16
 from tf_adacomp.compressors.cast import NoCompression
+from tf_adacomp.compressors.fft import FFTCompressor
 from tf_adacomp.compressors.registry import available
 from tf_adacomp.compressors.registry import get_compressor
 from tf_adacomp.compressors.registry import register
