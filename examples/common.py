@@ -28,11 +28,13 @@ FLAGS = flags.FLAGS
 
 STRATEGIES = ("mirrored", "multi_worker", "one_device")
 EXCHANGES = ("optimizer", "cross_device_ops")
-LR_SCHEDULES = ("constant", "cosine", "step")
+REDUCTIONS = ("sum", "adasum")  # tf_adacomp.collectives.REDUCTIONS
+ADASUM_MODES = ("gradient", "delta")  # tf_adacomp.optimizer.ADASUM_MODES
+LR_SCHEDULES = ("constant", "cosine", "step", "legw")
 OPTIMIZERS = ("sgd", "adam")
 # Kept in step with tf_adacomp.available_compressors() by tests/examples/test_common.py
 # (listed here so that parsing flags does not import TensorFlow).
-COMPRESSORS = ("none", "fp16", "bf16", "topk", "adacomp")
+COMPRESSORS = ("none", "fp16", "bf16", "topk", "adacomp", "fft")
 
 flags.DEFINE_enum("strategy", "mirrored", STRATEGIES,
                   "mirrored: the replicas of this machine; multi_worker: one process per "
@@ -46,23 +48,40 @@ flags.DEFINE_enum("compressor", None, COMPRESSORS,
 flags.DEFINE_enum("exchange", None, EXCHANGES,
                   "optimizer: CompressedOptimizer (any strategy); cross_device_ops: "
                   "CompressedAllReduce in a MirroredStrategy.")
+flags.DEFINE_enum("reduction", None, REDUCTIONS,
+                  "How the replicas' (decoded) gradients combine: sum, or adasum "
+                  "(Adasum, Maleki et al. 2021; docs/adasum.md).")
+flags.DEFINE_enum("adasum_mode", None, ADASUM_MODES,
+                  "With --reduction=adasum and --exchange=optimizer: Adasum of gradients, "
+                  "or of each replica's optimizer update (delta, Horovod's).")
 flags.DEFINE_integer("conv_bin_size", None, "AdaComp bin length L_T of conv kernels (50).")
 flags.DEFINE_integer("dense_bin_size", None, "AdaComp L_T of dense kernels (500).")
 flags.DEFINE_integer("recurrent_bin_size", None, "AdaComp L_T of recurrent kernels (500).")
 flags.DEFINE_float("max_density", None, "AdaComp payload capacity, a fraction of the "
                    "tensor (0.25); what does not fit stays in the residue.")
 flags.DEFINE_float("topk_density", None, "Fraction of elements TopK sends (0.01).")
+flags.DEFINE_float("fft_theta", None, "Fraction of FFT coefficients the fft compressor "
+                   "drops (0.9).")
+flags.DEFINE_float("fft_final_theta", None, "fft: the theta reached linearly after "
+                   "--fft_theta_decay_steps steps (default: constant --fft_theta).")
+flags.DEFINE_integer("fft_theta_decay_steps", None, "fft: steps of the theta schedule (0).")
 flags.DEFINE_integer("start_step", None, "Dense (float32) steps before compression starts.")
 flags.DEFINE_integer("epochs", None, "Training epochs.")
 flags.DEFINE_integer("steps_per_epoch", None, "Steps per epoch (default: one pass over "
                      "the training split).")
 flags.DEFINE_integer("eval_steps", None, "Test batches to evaluate (default: all).")
 flags.DEFINE_integer("batch_size", None, "Global batch size (all replicas together).")
-flags.DEFINE_float("learning_rate", None, "Peak learning rate at the global batch size.")
+flags.DEFINE_integer("base_batch_size", None, "--lr_schedule=legw: the global batch size "
+                     "--learning_rate and --warmup_epochs were tuned at (default: "
+                     "--batch_size, no scaling).")
+flags.DEFINE_float("learning_rate", None, "Peak learning rate at the global batch size "
+                   "(legw: at --base_batch_size, scaled by sqrt(batch_size/base_batch_size)).")
 flags.DEFINE_enum("lr_schedule", None, LR_SCHEDULES,
                   "After warm-up: constant, cosine decay to 0, or step (x0.1 at 50% and "
-                  "75% of training).")
-flags.DEFINE_float("warmup_epochs", None, "Epochs of linear warm-up from 0.")
+                  "75% of training); legw: LEGW (You et al. 2019), the base batch's rate "
+                  "and warm-up scaled to --batch_size, then polynomial decay to 0.")
+flags.DEFINE_float("warmup_epochs", None, "Epochs of linear warm-up from 0 (legw: at "
+                   "--base_batch_size, scaled by batch_size/base_batch_size).")
 flags.DEFINE_enum("optimizer", None, OPTIMIZERS, "Inner optimizer (SGD has momentum 0.9).")
 flags.DEFINE_string("model_dir", None, "Checkpoints (with residues, resumed from when "
                     "present), TensorBoard logs and summary.json.")
@@ -81,16 +100,22 @@ class Config:
   replicas: Optional[int] = None
   compressor: str = "adacomp"
   exchange: str = "optimizer"
+  reduction: str = "sum"
+  adasum_mode: str = "gradient"
   conv_bin_size: int = 50
   dense_bin_size: int = 500
   recurrent_bin_size: int = 500
   max_density: float = 0.25
   topk_density: float = 0.01
+  fft_theta: float = 0.9
+  fft_final_theta: Optional[float] = None
+  fft_theta_decay_steps: int = 0
   start_step: int = 0
   epochs: int = 1
   steps_per_epoch: Optional[int] = None
   eval_steps: Optional[int] = None
   batch_size: int = 128
+  base_batch_size: Optional[int] = None  # legw: batch of learning_rate, warmup_epochs
   learning_rate: float = 0.1
   lr_schedule: str = "constant"
   warmup_epochs: float = 0.0
@@ -160,6 +185,12 @@ def validate(config: Config):
   need(config.strategy in STRATEGIES, "strategy", f"one of {STRATEGIES}")
   need(config.compressor in COMPRESSORS, "compressor", f"one of {COMPRESSORS}")
   need(config.exchange in EXCHANGES, "exchange", f"one of {EXCHANGES}")
+  need(config.reduction in REDUCTIONS, "reduction", f"one of {REDUCTIONS}")
+  need(config.adasum_mode in ADASUM_MODES, "adasum_mode", f"one of {ADASUM_MODES}")
+  if config.adasum_mode == "delta":
+    need(config.reduction == "adasum" and config.exchange == "optimizer", "adasum_mode",
+         "'gradient' unless --reduction=adasum --exchange=optimizer (the delta mode is the "
+         "optimizer's)")
   need(config.lr_schedule in LR_SCHEDULES, "lr_schedule", f"one of {LR_SCHEDULES}")
   need(config.optimizer in OPTIMIZERS, "optimizer", f"one of {OPTIMIZERS}")
   need(config.replicas is None or config.replicas >= 1, "replicas", ">= 1")
@@ -169,8 +200,18 @@ def validate(config: Config):
     need(getattr(config, name) is None or getattr(config, name) >= 1, name, ">= 1 or unset")
   need(config.learning_rate > 0 and math.isfinite(config.learning_rate), "learning_rate",
        "a finite number > 0")
-  need(0 <= config.warmup_epochs <= config.epochs, "warmup_epochs",
-       f">= 0 and <= epochs={config.epochs}")
+  need(config.base_batch_size is None or config.base_batch_size >= 1, "base_batch_size",
+       ">= 1 or unset")
+  need(config.base_batch_size is None or config.lr_schedule == "legw", "base_batch_size",
+       "unset unless lr_schedule='legw' (only LEGW scales from a base batch)")
+  if config.lr_schedule == "legw":  # LEGW stretches the warm-up k = batch/base times
+    base = config.base_batch_size or config.batch_size
+    need(0 <= config.warmup_epochs * config.batch_size / base <= config.epochs,
+         "warmup_epochs", f">= 0 and, times batch_size/base_batch_size={config.batch_size}/"
+         f"{base}, <= epochs={config.epochs}")
+  else:
+    need(0 <= config.warmup_epochs <= config.epochs, "warmup_epochs",
+         f">= 0 and <= epochs={config.epochs}")
   need(config.start_step >= 0, "start_step", ">= 0")
   need(config.verbose in (0, 1, 2), "verbose", "0, 1 or 2")
   if config.strategy == "one_device":
@@ -224,6 +265,9 @@ def make_compressor(config: Config):
                    max_density=config.max_density)
   elif config.compressor == "topk":
     options = dict(density=config.topk_density)
+  elif config.compressor == "fft":
+    options = dict(theta=config.fft_theta, final_theta=config.fft_final_theta,
+                   theta_decay_steps=config.fft_theta_decay_steps)
   return tf_adacomp.get_compressor(config.compressor, **options)
 
 
@@ -241,10 +285,12 @@ def make_strategy(config: Config):
   devices = replica_devices(config.replicas)
   if config.strategy == "one_device":
     return tf.distribute.OneDeviceStrategy(devices[0])
-  if config.exchange == "cross_device_ops" and config.compressor != "none":
+  if config.exchange == "cross_device_ops" and (config.compressor != "none"
+                                                or config.reduction != "sum"):
     return distribute.mirrored_strategy(
         devices=devices, cross_device_ops=CompressedAllReduce(
-            make_compressor(config), start_step=config.start_step))
+            make_compressor(config), start_step=config.start_step,
+            reduction=config.reduction))
   return distribute.mirrored_strategy(devices=devices)
 
 
@@ -267,17 +313,26 @@ def make_optimizer(config: Config, steps_per_epoch: int):
   import tf_adacomp
 
   total = config.epochs * steps_per_epoch
-  rate = tf_adacomp.schedules.WarmupDecay(
-      config.learning_rate, total_steps=total, decay=config.lr_schedule,
-      warmup_steps=int(round(config.warmup_epochs * steps_per_epoch)))
+  if config.lr_schedule == "legw":
+    # --learning_rate and --warmup_epochs are the base batch's: LEGW scales them.
+    rate = tf_adacomp.schedules.LEGW(
+        config.learning_rate, config.base_batch_size or config.batch_size, config.batch_size,
+        config.warmup_epochs, steps_per_epoch, config.epochs)
+  else:
+    rate = tf_adacomp.schedules.WarmupDecay(
+        config.learning_rate, total_steps=total, decay=config.lr_schedule,
+        warmup_steps=int(round(config.warmup_epochs * steps_per_epoch)))
   if config.optimizer == "sgd":
     inner = keras.optimizers.SGD(rate, momentum=0.9)
   else:
     inner = keras.optimizers.Adam(rate)
-  if config.compressor == "none" or config.exchange == "cross_device_ops":
+  if ((config.compressor == "none" and config.reduction == "sum")
+      or config.exchange == "cross_device_ops"):
     return inner
   return tf_adacomp.CompressedOptimizer(inner, make_compressor(config),
-                                        start_step=config.start_step)
+                                        start_step=config.start_step,
+                                        reduction=config.reduction,
+                                        adasum_mode=config.adasum_mode)
 
 
 # --- Input pipelines ----------------------------------------------------------------

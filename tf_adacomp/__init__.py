@@ -2,15 +2,16 @@
 
 Public API (a flat list, as in Keras and optax):
 
-- compressors: ``AdaComp``, ``TopK``, ``FP16``, ``BF16``, ``NoCompression``, the
-  ``Compressor`` base class, ``TensorPlan``, ``get_compressor``, ``serialize_compressor``;
+- compressors: ``AdaComp``, ``TopK``, ``FFTCompressor``, ``FP16``, ``BF16``,
+  ``NoCompression``, the ``Compressor`` base class, ``TensorPlan``, ``get_compressor``,
+  ``serialize_compressor``;
 - distribution: ``CompressedAllReduce`` (cross-device ops for ``MirroredStrategy``),
   ``CompressedOptimizer`` (a Keras optimizer wrapper, any strategy);
 - helpers: ``tf_adacomp.distribute`` (logical devices, strategies, TF_CONFIG, the Keras
   multi-worker fix), ``CompressionStats`` (a Keras callback), ``schedules``
-  (``WarmupDecay``, a learning-rate schedule for large batches);
+  (``WarmupDecay`` and ``LEGW``, learning-rate schedules for large batches);
 - kernels: ``tf_adacomp.ops`` (``adacomp_compress``, ``adacomp_decompress``,
-  ``payload_nbytes``).
+  ``payload_nbytes``, ``fft_compress``, ``fft_decompress``).
 """
 
 from tf_adacomp import distribute
@@ -22,6 +23,7 @@ from tf_adacomp.optimizer import CompressedOptimizer
 from tf_adacomp.compressors import AdaComp
 from tf_adacomp.compressors import BF16
 from tf_adacomp.compressors import Compressor
+from tf_adacomp.compressors import FFTCompressor
 from tf_adacomp.compressors import FP16
 from tf_adacomp.compressors import NoCompression
 from tf_adacomp.compressors import TensorPlan
@@ -40,6 +42,7 @@ __all__ = [
     "CompressedOptimizer",
     "CompressionStats",
     "Compressor",
+    "FFTCompressor",
     "FP16",
     "NoCompression",
     "TensorPlan",

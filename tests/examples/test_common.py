@@ -34,15 +34,55 @@ def test_example_defaults_then_overrides():
     ({"warmup_epochs": 3.0, "epochs": 2}, "warmup_epochs=3.0"),
     ({"strategy": "one_device", "replicas": 2}, "replicas=2"),
     ({"exchange": "cross_device_ops", "strategy": "one_device"}, "strategy='one_device'"),
-    ({"lr_schedule": "legw"}, "lr_schedule='legw'"),
+    ({"lr_schedule": "poly"}, "lr_schedule='poly'"),
+    ({"lr_schedule": "legw", "base_batch_size": 0}, "base_batch_size=0"),
+    ({"base_batch_size": 64}, "base_batch_size=64"),  # with cosine: nothing would read it
+    # legw: 1 base epoch x k=8 = 8 epochs of warm-up > 2
+    ({"lr_schedule": "legw", "base_batch_size": 16, "warmup_epochs": 1.0}, "warmup_epochs=1.0"),
     ({"depth": 20}, "depth=20"),  # another example's option
     ({"compressor": "zip"}, "compressor='zip'"),
     ({"conv_bin_size": 0}, "conv_bin_size=0"),
     ({"compressor": "topk", "topk_density": 1.5}, "density=1.5"),
+    ({"reduction": "mean"}, "reduction='mean'"),
+    ({"adasum_mode": "deltas"}, "adasum_mode='deltas'"),
+    ({"adasum_mode": "delta"}, "adasum_mode='delta'"),  # needs --reduction=adasum
+    ({"adasum_mode": "delta", "reduction": "adasum", "exchange": "cross_device_ops"},
+     "adasum_mode='delta'"),
 ])
 def test_bad_settings_are_named_with_the_value(overrides, match):
   with pytest.raises(ValueError, match=match):
     common.make_config(fashion_mnist, **overrides)
+
+
+def test_legw_schedule_scales_the_base_rate_and_warmup():
+  """--learning_rate and --warmup_epochs are the base batch's; k = 1024/128 = 8."""
+  import keras
+  config = common.make_config(fashion_mnist, lr_schedule="legw", base_batch_size=128,
+                              batch_size=1024, warmup_epochs=0.25, compressor="none")
+  assert config.learning_rate == 0.05 and config.epochs == 2  # the example's defaults
+  optimizer = common.make_optimizer(config, steps_per_epoch=58)  # 60,000 // 1024
+  rate = keras.saving.deserialize_keras_object(optimizer.get_config()["learning_rate"])
+  assert isinstance(rate, tf_adacomp.schedules.LEGW)
+  assert rate.peak_learning_rate == pytest.approx(math.sqrt(8) * 0.05)
+  assert rate.warmup_steps == round(8 * 0.25 * 58) and rate.total_steps == 2 * 58
+  # Without --base_batch_size, k = 1: the flags' own values.
+  plain = common.make_optimizer(common.make_config(fashion_mnist, lr_schedule="legw",
+                                                   warmup_epochs=0.5, compressor="none"), 10)
+  rate = keras.saving.deserialize_keras_object(plain.get_config()["learning_rate"])
+  assert (rate.peak_learning_rate, rate.warmup_steps) == (pytest.approx(0.05), 5)
+
+
+def test_adasum_flags_reach_the_optimizer_and_the_cross_device_ops():
+  config = common.make_config(fashion_mnist, compressor="none", reduction="adasum",
+                              adasum_mode="delta")
+  optimizer = common.make_optimizer(config, steps_per_epoch=10)
+  assert isinstance(optimizer, tf_adacomp.CompressedOptimizer)  # even without compression
+  assert (optimizer.reduction, optimizer.adasum_mode) == ("adasum", "delta")
+  config = common.make_config(fashion_mnist, reduction="adasum", exchange="cross_device_ops",
+                              replicas=2)
+  strategy = common.make_strategy(config)
+  assert strategy.extended._cross_device_ops.reduction == "adasum"  # pylint: disable=protected-access
+  assert not isinstance(common.make_optimizer(config, 10), tf_adacomp.CompressedOptimizer)
 
 
 def test_compressor_options_reach_the_compressor():
