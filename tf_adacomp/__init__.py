@@ -6,12 +6,13 @@ Public API (a flat list, as in Keras and optax):
   ``NoCompression``, the ``Compressor`` base class, ``TensorPlan``, ``get_compressor``,
   ``serialize_compressor``;
 - distribution: ``CompressedAllReduce`` (cross-device ops for ``MirroredStrategy``),
-  ``CompressedOptimizer`` (a Keras optimizer wrapper, any strategy);
+  ``CompressedOptimizer`` (a Keras optimizer wrapper, any strategy); both sum the
+  replicas' gradients or, with ``reduction="adasum"``, combine them with Adasum;
 - helpers: ``tf_adacomp.distribute`` (logical devices, strategies, TF_CONFIG, the Keras
   multi-worker fix), ``CompressionStats`` (a Keras callback), ``schedules``
   (``WarmupDecay`` and ``LEGW``, learning-rate schedules for large batches);
 - kernels: ``tf_adacomp.ops`` (``adacomp_compress``, ``adacomp_decompress``,
-  ``payload_nbytes``, ``fft_compress``, ``fft_decompress``).
+  ``payload_nbytes``, ``fft_compress``, ``fft_decompress``, ``adasum_reduce``).
 """
 
 from tf_adacomp import distribute
