@@ -163,3 +163,25 @@ def test_exchange_under_mirrored_strategy_is_bit_identical_on_every_replica():
       residues[i] = np.stack([np.asarray(x) for x in got_residues])
       counters[i] = np.stack([np.asarray(x) for x in got_steps])
   assert counters[0].tolist() == [2] * replicas
+
+
+def test_keras_fit_with_the_optimizer_wrapper_learns_digits():
+  """model.fit with CompressedOptimizer(compressor="fft") on 2 replicas, real digits."""
+  import digits_data  # pylint: disable=g-import-not-at-top
+
+  strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES)
+  (x, y), (x_test, y_test) = digits_data.flat()
+  with strategy.scope():
+    model = digits_data.mlp(0, tf_adacomp.CompressedOptimizer(
+        keras.optimizers.SGD(0.1, momentum=0.9), tf_adacomp.FFTCompressor(min_size=100)))
+  history = model.fit(x, y, batch_size=64, epochs=2, verbose=0, shuffle=False)
+  assert history.history["loss"][-1] < 0.5 * history.history["loss"][0]
+  assert model.evaluate(x_test, y_test, verbose=0)[1] > 0.8
+  for variable in model.trainable_variables:
+    copies = strategy.experimental_local_results(variable.value)
+    np.testing.assert_array_equal(copies[0].numpy(), copies[1].numpy())
+  # The step counters of the theta schedule advanced once per step on every replica.
+  steps = [s for state in model.optimizer.residues for s in state if s.dtype == "int64"]
+  assert steps and all(int(strategy.experimental_local_results(s.value)[1].numpy()) ==
+                       model.optimizer.iterations.numpy() for s in steps)
+  assert model.optimizer.compression_stats()["dense"]["ratio"] > 5
