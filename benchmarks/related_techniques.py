@@ -8,19 +8,22 @@ summary.json holds the test accuracy and the bytes one replica sent per step):
    AdaComp, FFT, AdaComp + Adasum of gradients, AdaComp + Adasum of deltas (Horovod's).
 2. A large batch (1024 = 8 x the example's 128) trained for the same epochs as its base
    batch, with the base batch's learning rate and warm-up scaled two ways: linear scaling
-   (rate x 8, same warm-up epochs, cosine decay; Goyal et al. 2017) and LEGW (rate x
-   sqrt(8), warm-up x 8 epochs, polynomial decay; You et al. 2019); the base batch run is
-   the reference.
+   (rate x 8, same warm-up epochs, cosine decay; Goyal et al. 2017), linear scaling with
+   LEGW's longer warm-up, and LEGW (rate x sqrt(8), warm-up x 8 epochs, polynomial decay;
+   You et al. 2019); the base batch run is the reference.
 
     python benchmarks/related_techniques.py                # ~15 min on 2 CPU cores
     python benchmarks/related_techniques.py --epochs 1 --tables compression
+    python benchmarks/related_techniques.py --seeds 0,1,2   # each run with 3 seeds
 
-Prints both tables and writes out/related_techniques.json.
+Prints both tables (test accuracy: the mean over the seeds, and its range) and writes
+out/related_techniques.json.
 """
 
 import argparse
 import os
 import platform
+import statistics
 import sys
 
 import report  # benchmarks/report.py, beside this script
@@ -50,6 +53,11 @@ def large_batch_runs(args):
           f"--batch_size={args.large_batch}",
           f"--learning_rate={k * args.base_learning_rate}", f"--warmup_epochs={warmup}",
           "--lr_schedule=cosine"],
+      # LEGW's warm-up length with the linear peak: which of the two changes matters.
+      f"batch {args.large_batch}, linear, warm-up x{k}": [
+          f"--batch_size={args.large_batch}",
+          f"--learning_rate={k * args.base_learning_rate}", f"--warmup_epochs={k * warmup}",
+          "--lr_schedule=cosine"],
       f"batch {args.large_batch}, LEGW": [
           f"--batch_size={args.large_batch}", f"--learning_rate={args.base_learning_rate}",
           f"--warmup_epochs={warmup}", "--lr_schedule=legw",
@@ -57,26 +65,35 @@ def large_batch_runs(args):
   }
 
 
-def row(name, summary):
+def row(name, summaries):
+  """One table row from the runs of every seed: accuracy mean and range, mean bytes."""
+  accuracies = [s["test_accuracy"] for s in summaries]
+  mean = lambda key: statistics.fmean(s[key] for s in summaries)  # noqa: E731
   return {
       "run": name,
-      "test_accuracy": summary["test_accuracy"],
-      "bytes_sent_per_step": summary["bytes_sent_per_step"],
-      "dense_bytes_per_step": summary["dense_bytes_per_step"],
-      "compression_ratio": summary["compression_ratio"],
-      "steps": summary["steps"],
-      "batch_size": summary["batch_size"],
-      "train_seconds": summary["train_seconds"],
-      "config": summary["config"],
+      "test_accuracy": statistics.fmean(accuracies),
+      "test_accuracy_min": min(accuracies),
+      "test_accuracy_max": max(accuracies),
+      "test_accuracies": accuracies,
+      "seeds": [s["config"]["seed"] for s in summaries],
+      "bytes_sent_per_step": mean("bytes_sent_per_step"),
+      "dense_bytes_per_step": mean("dense_bytes_per_step"),
+      "compression_ratio": mean("dense_bytes_per_step") / mean("bytes_sent_per_step"),
+      "steps": summaries[0]["steps"],
+      "batch_size": summaries[0]["batch_size"],
+      "train_seconds": mean("train_seconds"),
+      "configs": [s["config"] for s in summaries],
   }
 
 
 def print_table(title, rows):
   print(f"\n{title}")
-  print(f"{'run':<32} {'test acc':>9} {'bytes/replica/step':>19} {'ratio':>7} "
+  print(f"{'run':<34} {'test acc (min-max)':>24} {'bytes/replica/step':>19} {'ratio':>7} "
         f"{'steps':>6} {'train s':>8}")
   for r in rows:
-    print(f"{r['run']:<32} {r['test_accuracy']:>9.4f} {r['bytes_sent_per_step']:>19,.0f} "
+    accuracy = (f"{r['test_accuracy']:.4f} ({r['test_accuracy_min']:.4f}-"
+                f"{r['test_accuracy_max']:.4f})")
+    print(f"{r['run']:<34} {accuracy:>24} {r['bytes_sent_per_step']:>19,.0f} "
           f"{r['compression_ratio']:>6.1f}x {r['steps']:>6} {r['train_seconds']:>8.1f}")
 
 
@@ -94,6 +111,8 @@ def main(argv=None):
   parser.add_argument("--base_learning_rate", type=float, default=0.05)
   parser.add_argument("--base_warmup_epochs", type=float, default=0.1)
   parser.add_argument("--large_batch_compressor", default="none")
+  parser.add_argument("--seeds", default="0",
+                      help="comma-separated seeds; each run is repeated with each")
   parser.add_argument("--synthetic", action="store_true", help="random data (smoke runs)")
   parser.add_argument("--work_dir", default="out/related_techniques")
   parser.add_argument("--json", default="out/related_techniques.json")
@@ -114,9 +133,12 @@ def main(argv=None):
   if args.synthetic:
     shared.append("--synthetic")
 
+  seeds = [int(seed) for seed in args.seeds.split(",")]
+
   def run(table, name, flags):
     directory = os.path.join(args.work_dir, table, name.replace(" ", "_").replace(",", ""))
-    return row(name, report.run_example(EXAMPLE, shared + flags, directory))
+    return row(name, [report.run_example(EXAMPLE, shared + flags + [f"--seed={seed}"],
+                                         f"{directory}_seed{seed}") for seed in seeds])
 
   result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                         "python": sys.version.split()[0]},
