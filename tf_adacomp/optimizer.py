@@ -163,7 +163,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     self._keep_states(indices, states, exchanged.states, finite)
     self._record_bytes(indices, exchanged.nbytes)
     self._on_every_replica_if(
-        finite, lambda summed: self._apply_summed(summed, trainable_variables), sums)
+        finite, lambda summed: self._apply_inner(summed, trainable_variables), sums)
 
   def _apply_adasum_of_deltas(self, grads, variables, indices, plans, states, dense):
     """Horovod's Adasum: local optimizer steps, then Adasum of the weight updates."""
@@ -177,7 +177,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     before = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
     with tf.control_dependencies(before):
       self._on_every_replica_if(
-          stepped, lambda local: self._apply_summed(local, variables), own)
+          stepped, lambda local: self._apply_inner(local, variables), own)
     # Automatic control dependencies order these reads after the local step.
     deltas = [None if g is None else tf.convert_to_tensor(v) - b
               for g, v, b in zip(grads, variables, before)]
@@ -234,9 +234,10 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
         [tf.zeros([], tf.int64) if b is None else tf.cast(b, tf.int64) for b in nbytes])
     self.bytes_sent.assign(values)
 
-  def _apply_summed(self, sums, trainable_variables):
-    """The inner optimizer's step on gradients that are already summed over replicas."""
-    self.inner_optimizer.apply(sums, trainable_variables)
+  def _apply_inner(self, grads, trainable_variables):
+    """The inner optimizer's step on ``grads``: summed (or Adasum-combined) over the
+    replicas, or in delta mode this replica's own (each replica steps its own copy)."""
+    self.inner_optimizer.apply(grads, trainable_variables)
     return tf.constant(True)
 
   # --- Forwarded to the inner optimizer -------------------------------------------
