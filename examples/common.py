@@ -2,7 +2,9 @@
 
 An example module provides ``NAME``, ``DEFAULTS`` (its hyper-parameters, overridden by
 flags), ``load_data(config) -> Data`` and ``build_model(config, data) -> keras.Model``
-(uncompiled, logits out); ``train(example, config)`` does the rest:
+(uncompiled, logits out), and optionally ``callbacks(config) -> [keras.callbacks.Callback]``
+(more callbacks for ``fit``; those with a ``summary() -> dict`` method add its entries to
+the summary); ``train(example, config)`` does the rest:
 
   1. the strategy (``--strategy``, ``--replicas``; logical devices where there are fewer
      GPUs than replicas), made before anything else touches TensorFlow;
@@ -425,7 +427,9 @@ def train(example, config: Config, callbacks=()) -> Dict[str, Any]:
 
   stats = tf_adacomp.CompressionStats(
       log_dir=os.path.join(model_dir, "logs", "compression") if model_dir else None)
-  callbacks = list(callbacks) + ([stats] if config.compressor != "none" else [])
+  # An example may train with callbacks of its own (e.g. ResIST's rounds).
+  own = list(example.callbacks(config)) if hasattr(example, "callbacks") else []
+  callbacks = list(callbacks) + own + ([stats] if config.compressor != "none" else [])
   if model_dir:
     callbacks += [
         # Weights, optimizer state and residues, every epoch; a rerun resumes from them.
@@ -453,6 +457,9 @@ def train(example, config: Config, callbacks=()) -> Dict[str, Any]:
                  steps=steps, steps_per_epoch=steps_per_epoch,
                  train_seconds=train_seconds, wall_seconds=time.perf_counter() - start,
                  config=dataclasses.asdict(config))  # every setting, to reproduce the run
+  for callback in own:  # what an example's callbacks measured (e.g. bytes per round)
+    if hasattr(callback, "summary"):
+      summary.update(callback.summary())
   if chief:
     print(format_summary(summary))
     if model_dir:

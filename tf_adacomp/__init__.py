@@ -11,12 +11,14 @@ Public API (a flat list, as in Keras and optax):
 - helpers: ``tf_adacomp.distribute`` (logical devices, strategies, TF_CONFIG, the Keras
   multi-worker fix), ``CompressionStats`` (a Keras callback), ``schedules``
   (``WarmupDecay`` and ``LEGW``, learning-rate schedules for large batches);
+- ResIST: ``tf_adacomp.resist`` (a ResNet of sub-ResNets trained independently per replica);
 - kernels: ``tf_adacomp.ops`` (``adacomp_compress``, ``adacomp_decompress``,
   ``payload_nbytes``, ``fft_compress``, ``fft_decompress``, ``adasum_reduce``).
 """
 
 from tf_adacomp import distribute
 from tf_adacomp import ops
+from tf_adacomp import resist
 from tf_adacomp import schedules
 from tf_adacomp.callbacks import CompressionStats
 from tf_adacomp.cross_device_ops import CompressedAllReduce
@@ -53,6 +55,7 @@ __all__ = [
     "get_compressor",
     "ops",
     "register_compressor",
+    "resist",
     "schedules",
     "serialize_compressor",
 ]

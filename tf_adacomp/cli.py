@@ -17,7 +17,8 @@ import subprocess
 import sys
 import tempfile
 
-EXAMPLES = ("fashion_mnist", "cifar10_resnet", "imagenet_resnet50", "shakespeare_lstm")
+EXAMPLES = ("fashion_mnist", "cifar10_resnet", "cifar10_resist", "imagenet_resnet50",
+            "shakespeare_lstm")
 
 
 def _train(name, flags):
