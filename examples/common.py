@@ -30,7 +30,7 @@ FLAGS = flags.FLAGS
 
 STRATEGIES = ("mirrored", "multi_worker", "one_device")
 EXCHANGES = ("optimizer", "cross_device_ops")
-REDUCTIONS = ("sum", "adasum")  # tf_adacomp.collectives.REDUCTIONS
+REDUCTIONS = ("sum", "adasum")  # tf_adacomp.collectives.REDUCTIONS (test_common checks)
 ADASUM_MODES = ("gradient", "delta")  # tf_adacomp.optimizer.ADASUM_MODES
 LR_SCHEDULES = ("constant", "cosine", "step", "legw")
 OPTIMIZERS = ("sgd", "adam")

@@ -16,6 +16,12 @@ def test_flag_choices_match_the_registered_compressors():
   assert sorted(common.COMPRESSORS) == tf_adacomp.available_compressors()
 
 
+def test_flag_choices_match_the_library_reductions():
+  from tf_adacomp import collectives, optimizer  # pylint: disable=g-import-not-at-top
+  assert common.REDUCTIONS == collectives.REDUCTIONS
+  assert common.ADASUM_MODES == optimizer.ADASUM_MODES
+
+
 def test_example_defaults_then_overrides():
   config = common.make_config(shakespeare_lstm, batch_size=32, lstm_units=16, epochs=None)
   assert config.optimizer == "adam" and config.epochs == 10  # example defaults
