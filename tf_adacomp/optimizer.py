@@ -1,37 +1,58 @@
-"""CompressedOptimizer: a Keras 3 optimizer wrapper that exchanges compressed gradients.
+"""CompressedOptimizer: a Keras 3 optimizer wrapper that exchanges compressed gradients
+or compressed optimizer updates.
 
-Modelled on Keras' ``LossScaleOptimizer``. In each replica it compresses the gradients
-(residues are optimizer variables), exchanges the compact payloads with the strategy's
-collectives (``collectives.replica_exchange``), decodes and sums them, and hands the sum
-to the inner optimizer with the inner optimizer's own dense all-reduce switched off, so
-no gradient-sized tensor crosses devices. It works without a strategy (compression is
-applied locally, to study its effect on accuracy), under ``MirroredStrategy`` and under
-``MultiWorkerMirroredStrategy``.
+Modelled on Keras' ``LossScaleOptimizer``. Two exchanges (``exchange=``):
 
-A step whose summed gradient is not finite (e.g. float16 overflow) changes nothing:
-the residues are restored and the inner optimizer is not called.
+- ``"gradients"``: in each replica it compresses the gradients (residues are optimizer
+  variables), exchanges the compact payloads with the strategy's collectives
+  (``collectives.replica_exchange``), decodes and sums them, and hands the sum to the
+  inner optimizer with the inner optimizer's own dense all-reduce switched off, so no
+  gradient-sized tensor crosses devices. A step whose summed gradient is not finite
+  (e.g. float16 overflow) changes nothing: the residues are restored and the inner
+  optimizer is not called.
+- ``"updates"`` (the local-optimizer exchange; Horovod's Adasum "delta" mode,
+  generalised): each replica first takes the inner optimizer's step on its own mean
+  gradient (its gradient times the replica count, since Keras divides every replica's
+  loss by it) with its own optimizer state (momentum, Adam moments); the updates
+  ``delta = weights after - weights before`` are compressed with error feedback,
+  exchanged, and every replica sets ``weights = before + mean(decoded deltas)`` (with
+  ``reduction="adasum"``: ``before + Adasum(decoded deltas)``). For SGD with momentum
+  this is Deep Gradient Compression's momentum correction (Lin et al., ICLR 2018): the
+  velocity is accumulated locally and what the residue holds back is velocity, not
+  gradient. The same bytes cross the wire as with ``"gradients"`` (one payload per
+  variable and step). A step whose own gradient is not finite on some replica changes
+  nothing anywhere (one all-reduced flag); a combined update that is not finite leaves
+  weights and residues as they were, but the inner optimizers' states have taken their
+  step.
+
+  Per-replica optimizer state: the inner optimizer's slots are the strategy's mirrored
+  variables, whose per-device copies here differ on purpose (each replica steps its own).
+  Reading a slot in cross-replica context, and a checkpoint, give replica 0's copy; a
+  restore gives it to every replica. Under ``MultiWorkerMirroredStrategy`` each worker's
+  copy is its own likewise.
+
+Options of the update exchange: ``momentum_masking`` (DGC's momentum factor masking) and,
+for either exchange, ``local_clipnorm`` (DGC's local gradient clipping). It works without
+a strategy (compression is applied locally, to study its effect on accuracy), under
+``MirroredStrategy`` and under ``MultiWorkerMirroredStrategy``.
 
 With ``reduction="adasum"`` the replicas' contributions are combined with Adasum
-(``ops.adasum_reduce``) instead of added, in one of two modes:
-
-- ``adasum_mode="gradient"``: Adasum of the replicas' own mean gradients (each replica's
-  gradient times the replica count, since Keras divides every replica's loss by it),
-  handed to the inner optimizer;
-- ``adasum_mode="delta"`` (Horovod's): each replica first takes the inner optimizer's step
-  on its own mean gradient, with its own optimizer state (momentum, Adam moments: each
-  replica keeps its own copy, and a checkpoint saves replica 0's); the updates
-  ``delta = weights after - weights before`` are compressed (with residues), exchanged
-  and combined with Adasum, and every replica sets ``weights = before + Adasum(deltas)``.
-  A step whose gradients are not finite on some replica changes nothing; a combined
-  update that is not finite leaves weights and residues as they were, but the inner
-  optimizers' states have taken their step.
+(``ops.adasum_reduce``) instead of averaged: with ``exchange="gradients"`` the Adasum of
+the replicas' own mean gradients is handed to the inner optimizer; with
+``exchange="updates"`` the Adasum of the decoded deltas is applied (Horovod's
+``DistributedOptimizer(op=hvd.Adasum)``). ``adasum_mode`` is the older name of that
+choice and stays accepted: ``adasum_mode="delta"`` is ``exchange="updates"``,
+``adasum_mode="gradient"`` is ``exchange="gradients"``.
 """
+
+import math
 
 import keras
 import tensorflow as tf
 from keras.src.saving import serialization_lib
 
 from tf_adacomp import collectives
+from tf_adacomp import keras_fixes
 from tf_adacomp import stats
 from tf_adacomp.compressors import registry
 
@@ -39,32 +60,62 @@ _BASE_ARGUMENTS = ("weight_decay", "clipnorm", "global_clipnorm", "clipvalue", "
                    "ema_momentum", "ema_overwrite_frequency", "loss_scale_factor",
                    "gradient_accumulation_steps")
 ADASUM_MODES = ("gradient", "delta")
+EXCHANGES = ("gradients", "updates")
+# What ``exchange=None`` means (see the class docstring for the measurement behind it).
+DEFAULT_EXCHANGE = "gradients"
+_EXCHANGE_OF_ADASUM_MODE = {"gradient": "gradients", "delta": "updates"}
 
 
 @keras.saving.register_keras_serializable(package="tf_adacomp")
 class CompressedOptimizer(keras.optimizers.Optimizer):
-  """Wraps a Keras optimizer so that gradients are exchanged compressed.
+  """Wraps a Keras optimizer so that gradients (or its updates) are exchanged compressed.
 
   Args:
-    inner_optimizer: the ``keras.optimizers.Optimizer`` that applies the summed
-      gradients (its learning rate, schedule and slots are used as they are).
+    inner_optimizer: the ``keras.optimizers.Optimizer`` that applies the gradients (its
+      learning rate, schedule and slots are used as they are).
     compressor: a ``Compressor``, a registered name ("adacomp", "topk", "fp16", ...)
       or a serialized compressor. Default "adacomp".
     start_step: int >= 0; the first ``start_step`` steps exchange dense float32
-      gradients (a warm-up) before compression begins. Residues stay zero meanwhile.
-    reduction: "sum" (default) or "adasum": how the replicas' contributions combine.
-    adasum_mode: with ``reduction="adasum"``, "gradient" (default: Adasum of gradients)
-      or "delta" (Adasum of each replica's optimizer update; see the module docstring).
+      gradients (or updates) as a warm-up before compression begins. Residues stay zero
+      meanwhile.
     name: optional name.
+    reduction: "sum" (default) or "adasum": how the replicas' contributions combine
+      (with ``exchange="updates"``, "sum" applies the mean of the replicas' updates).
+    adasum_mode: the older name of ``exchange`` for ``reduction="adasum"``: "gradient"
+      (``exchange="gradients"``) or "delta" (``exchange="updates"``; needs
+      ``reduction="adasum"``). Default None: ``exchange`` decides.
+    exchange: "gradients" (compress the gradients, apply the inner optimizer to their
+      decoded sum) or "updates" (each replica steps the inner optimizer on its own
+      gradient with its own state, the weight updates are compressed with error feedback
+      and every replica applies their mean; see the module docstring). Default None:
+      the one ``adasum_mode`` names, else ``DEFAULT_EXCHANGE``.
+    momentum_masking: bool, default False. With ``exchange="updates"``, DGC's momentum
+      factor masking: after each step, the inner optimizer's momentum (SGD with
+      ``momentum > 0``) or first moment (Adam, AdamW) is set to zero, on each replica,
+      wherever that replica's compressor sent an element of its update (its residue did
+      not simply absorb it), so that a delayed element does not keep being pushed by a
+      stale momentum. Tensors sent whole (dense plans, warm-up steps) are not masked.
+    local_clipnorm: None (default) or a float > 0: each replica's own mean gradient (the
+      gradient its local optimizer steps on with ``exchange="updates"``; its gradient
+      times the replica count) is clipped to this global norm over all variables before
+      it enters the residue or the local step. One replica with ``local_clipnorm=c`` is
+      the inner optimizer with ``global_clipnorm=c``. DGC clips each node's share of a
+      summed gradient at ``T / sqrt(N)``; for a threshold ``T`` meant for the averaged
+      gradient that is ``local_clipnorm = T * sqrt(N)`` here.
 
   Raises:
     TypeError: ``inner_optimizer`` is not a Keras optimizer.
-    ValueError: unknown compressor, reduction or adasum_mode, ``start_step`` < 0, or
+    ValueError: unknown compressor, reduction, adasum_mode or exchange;
+      ``adasum_mode="delta"`` without ``reduction="adasum"``; an ``adasum_mode`` that
+      contradicts ``exchange``; ``momentum_masking`` not a bool, or True where it cannot
+      apply (gradient exchange, an inner optimizer without momentum, a compressor
+      without residue); ``local_clipnorm`` not a finite number > 0; ``start_step`` < 0;
       base optimizer arguments (set those on the inner optimizer).
   """
 
   def __init__(self, inner_optimizer, compressor="adacomp", start_step=0, name=None,
-               reduction="sum", adasum_mode="gradient", **kwargs):
+               reduction="sum", adasum_mode=None, exchange=None, momentum_masking=False,
+               local_clipnorm=None, **kwargs):
     for argument in _BASE_ARGUMENTS:
       # Keras passes the base defaults back when deserializing; anything else belongs to
       # the inner optimizer.
@@ -81,20 +132,32 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
       raise ValueError(f"`start_step` must be an integer >= 0. Received: start_step={start_step!r}")
     reduction = collectives.check_reduction(reduction)
-    if adasum_mode not in ADASUM_MODES:
-      raise ValueError(f"`adasum_mode` must be one of {ADASUM_MODES}. "
-                       f"Received: adasum_mode={adasum_mode!r}")
+    exchange = _resolve_exchange(reduction, adasum_mode, exchange)
+    local_clipnorm = _check_local_clipnorm(local_clipnorm)
     compressor = registry.get_compressor(compressor)
+    _check_momentum_masking(momentum_masking, exchange, inner_optimizer, compressor)
+    # Keras 3 model.fit needs a fix under MultiWorkerMirroredStrategy (keras#20585):
+    # applied here and in build(), so that the standard strategy constructor just works.
+    keras_fixes.apply_keras_multi_worker_fix_for(tf.distribute.get_strategy())
     super().__init__(learning_rate=0.0, name=name)
     self.inner_optimizer = inner_optimizer
     self.compressor = compressor
     self.start_step = start_step
     self.reduction = reduction
-    self.adasum_mode = adasum_mode
+    self._adasum_mode_argument = adasum_mode
+    self.exchange = exchange
+    self.momentum_masking = momentum_masking
+    self.local_clipnorm = local_clipnorm
+
+  @property
+  def adasum_mode(self):
+    """"delta" with the update exchange, "gradient" with the gradient exchange."""
+    return "delta" if self.exchange == "updates" else "gradient"
 
   # --- Variables -------------------------------------------------------------------
 
   def build(self, var_list):
+    keras_fixes.apply_keras_multi_worker_fix_for(self._distribution_strategy)
     self.plans = [self.compressor.plan(v.shape, v.dtype, v.path) for v in var_list]
     self.residues = []
     for variable, plan in zip(var_list, self.plans):
@@ -147,17 +210,20 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     plans = [self.plans[i] for i in indices]
     states = [tuple(tf.convert_to_tensor(r.value) for r in self.residues[i]) for i in indices]
     dense = self.iterations < self.start_step if self.start_step else None
+    replicas = tf.distribute.get_replica_context().num_replicas_in_sync
 
-    if self.reduction == "adasum" and self.adasum_mode == "delta":
-      self._apply_adasum_of_deltas(grads, trainable_variables, indices, plans, states, dense)
+    if self.exchange == "updates":
+      self._apply_updates(grads, trainable_variables, indices, plans, states, dense)
       return
+    if self.local_clipnorm is not None:
+      # Each replica's own mean gradient is grads * replicas: clip it to local_clipnorm.
+      grads = _clip_by_global_norm(grads, self.local_clipnorm / replicas)
     exchanged = collectives.replica_exchange(self.compressor, plans, grads, states, dense,
                                              reduction=self.reduction)
     sums = exchanged.sums
     if self.reduction == "adasum":
       # Adasum of the replicas' own mean gradients: Keras divides each replica's loss by
       # the replica count, and Adasum(c * g) = c * Adasum(g).
-      replicas = tf.distribute.get_replica_context().num_replicas_in_sync
       sums = [None if s is None else s * replicas for s in sums]
     finite = _all_finite(sums)
     self._keep_states(indices, states, exchanged.states, finite)
@@ -165,11 +231,14 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     self._on_every_replica_if(
         finite, lambda summed: self._apply_inner(summed, trainable_variables), sums)
 
-  def _apply_adasum_of_deltas(self, grads, variables, indices, plans, states, dense):
-    """Horovod's Adasum: local optimizer steps, then Adasum of the weight updates."""
+  def _apply_updates(self, grads, variables, indices, plans, states, dense):
+    """The update exchange: local optimizer steps, then the mean (``reduction="sum"``)
+    or Adasum (``"adasum"``) of the replicas' compressed weight updates."""
     ctx = tf.distribute.get_replica_context()
     replicas = ctx.num_replicas_in_sync
     own = [None if g is None else g * replicas for g in grads]  # this replica's mean gradient
+    if self.local_clipnorm is not None:
+      own = _clip_by_global_norm(own, self.local_clipnorm)
     # Every replica must take the same branch: step only if all gradients are finite.
     bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
                          tf.cast(tf.logical_not(_all_finite(own)), tf.float32))
@@ -182,13 +251,41 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     deltas = [None if g is None else tf.convert_to_tensor(v) - b
               for g, v, b in zip(grads, variables, before)]
     exchanged = collectives.replica_exchange(self.compressor, plans, deltas, states, dense,
-                                             reduction="adasum")
-    finite = tf.logical_and(stepped, _all_finite(exchanged.sums))
+                                             reduction=self.reduction)
+    combined = exchanged.sums
+    if self.reduction == "sum":
+      combined = [None if s is None else s / replicas for s in combined]
+    finite = tf.logical_and(stepped, _all_finite(combined))
     self._keep_states(indices, states, exchanged.states, finite)
     self._record_bytes(indices, exchanged.nbytes)
+    if self.momentum_masking:
+      sent_step = finite if dense is None else tf.logical_and(finite, tf.logical_not(dense))
+      self._mask_momentum(variables, states, deltas, exchanged.states, sent_step)
     pairs = [(v, tf.where(finite, b + tf.cast(s, b.dtype), b))
-             for v, b, s in zip(variables, before, exchanged.sums) if s is not None]
-    self._assign_on_every_replica([v for v, _ in pairs], [x for _, x in pairs])
+             for v, b, s in zip(variables, before, combined) if s is not None]
+    self._assign_per_replica([v for v, _ in pairs], [x for _, x in pairs])
+
+  def _mask_momentum(self, variables, old_states, deltas, new_states, masked_step):
+    """DGC's momentum factor masking: zero this replica's momentum where it sent.
+
+    An element counts as sent where the new residue is not the old residue plus this
+    step's update (the compressor sent all or part of it). Variables without a residue
+    (sent whole every step) are left alone, and so is everything when ``masked_step`` is
+    false (a skipped step or a dense warm-up step).
+    """
+    slots = _first_moment_slots(self.inner_optimizer)
+    targets, values = [], []
+    for variable, old, delta, new in zip(variables, old_states, deltas, new_states):
+      if delta is None or not old:
+        continue
+      residue, new_residue = old[0], new[0]
+      held = residue + tf.cast(delta, residue.dtype)  # G of the compressor
+      sent = tf.logical_and(masked_step, tf.not_equal(held, new_residue))
+      slot = slots[self.inner_optimizer._get_variable_index(variable)]  # pylint: disable=protected-access
+      value = tf.convert_to_tensor(slot)
+      targets.append(slot)
+      values.append(tf.where(sent, tf.zeros_like(value), value))
+    self._assign_per_replica(targets, values)
 
   def _keep_states(self, indices, old_states, new_states, finite):
     """Stores the compressor states of a finite step; keeps the old ones otherwise."""
@@ -217,8 +314,9 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
 
     tf.distribute.get_replica_context().merge_call(in_cross_replica, args=(values, flag))
 
-  def _assign_on_every_replica(self, variables, values):
-    """Sets every copy of each variable to this replica's value (equal on all replicas)."""
+  def _assign_per_replica(self, variables, values):
+    """Sets each replica's copy of each variable to that replica's value (for weights the
+    values are equal on all replicas; for the inner optimizer's slots they differ)."""
     def assign(distribution, values):
       for variable, value in zip(variables, values):
         distribution.extended.update(
@@ -236,7 +334,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
 
   def _apply_inner(self, grads, trainable_variables):
     """The inner optimizer's step on ``grads``: summed (or Adasum-combined) over the
-    replicas, or in delta mode this replica's own (each replica steps its own copy)."""
+    replicas, or with the update exchange this replica's own (each replica steps its own
+    copy)."""
     self.inner_optimizer.apply(grads, trainable_variables)
     return tf.constant(True)
 
@@ -279,7 +378,10 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
         "compressor": registry.serialize(self.compressor),
         "start_step": self.start_step,
         "reduction": self.reduction,
-        "adasum_mode": self.adasum_mode,
+        "adasum_mode": self._adasum_mode_argument,
+        "exchange": self.exchange,
+        "momentum_masking": self.momentum_masking,
+        "local_clipnorm": self.local_clipnorm,
     }
 
   @classmethod
@@ -287,6 +389,11 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     config = dict(config)
     inner = serialization_lib.deserialize_keras_object(config.pop("inner_optimizer"),
                                                        custom_objects=custom_objects)
+    if "exchange" not in config and config.get("reduction", "sum") == "sum":
+      # Saved before `exchange` existed: adasum_mode did nothing with reduction="sum"
+      # (the gradient exchange ran), so keep that rather than refuse "delta" now.
+      config["adasum_mode"] = None
+      config["exchange"] = "gradients"
     return cls(inner, **config)
 
 
@@ -300,3 +407,93 @@ def _all_finite(tensors):
 
 def _no_all_reduce(grads_and_vars):
   return list(grads_and_vars)
+
+
+def _resolve_exchange(reduction, adasum_mode, exchange):
+  """The exchange that ``exchange`` and the older ``adasum_mode`` ask for, or ValueError."""
+  if adasum_mode is not None and adasum_mode not in ADASUM_MODES:
+    raise ValueError(f"`adasum_mode` must be one of {ADASUM_MODES} or None. "
+                     f"Received: adasum_mode={adasum_mode!r}")
+  if exchange is not None and exchange not in EXCHANGES:
+    raise ValueError(f"`exchange` must be one of {EXCHANGES} or None. "
+                     f"Received: exchange={exchange!r}")
+  if adasum_mode == "delta" and reduction != "adasum":
+    raise ValueError("`adasum_mode='delta'` is Adasum of the replicas' updates and needs "
+                     "reduction='adasum' (for the mean of the updates, pass "
+                     "exchange='updates'). Received: adasum_mode='delta', "
+                     f"reduction={reduction!r}")
+  implied = _EXCHANGE_OF_ADASUM_MODE.get(adasum_mode)
+  if implied is not None and exchange is not None and exchange != implied:
+    raise ValueError(f"`adasum_mode={adasum_mode!r}` means exchange={implied!r}, which "
+                     f"contradicts `exchange`. Received: adasum_mode={adasum_mode!r}, "
+                     f"exchange={exchange!r}")
+  return exchange or implied or DEFAULT_EXCHANGE
+
+
+def _check_local_clipnorm(local_clipnorm):
+  if local_clipnorm is None:
+    return None
+  if (isinstance(local_clipnorm, bool) or not isinstance(local_clipnorm, (int, float))
+      or not math.isfinite(local_clipnorm) or local_clipnorm <= 0):
+    raise ValueError(f"`local_clipnorm` must be None or a finite number > 0. "
+                     f"Received: local_clipnorm={local_clipnorm!r}")
+  return float(local_clipnorm)
+
+
+def _check_momentum_masking(momentum_masking, exchange, inner_optimizer, compressor):
+  """Raises ValueError unless ``momentum_masking`` is a bool that can apply here."""
+  if not isinstance(momentum_masking, bool):
+    raise ValueError(f"`momentum_masking` must be True or False. "
+                     f"Received: momentum_masking={momentum_masking!r}")
+  if not momentum_masking:
+    return
+  if exchange != "updates":
+    raise ValueError("`momentum_masking=True` masks the local momentum of the update "
+                     "exchange and needs exchange='updates'. Received: "
+                     f"momentum_masking=True, exchange={exchange!r}")
+  if not _has_first_moment(inner_optimizer):
+    raise ValueError("`momentum_masking=True` needs an inner optimizer with a momentum or "
+                     "first moment: SGD with momentum > 0, Adam or AdamW. Received: "
+                     f"momentum_masking=True, inner_optimizer={inner_optimizer!r}")
+  probe = compressor.plan([max(compressor.min_size, 4096)], "float32")
+  if not compressor.state_specs(probe):
+    raise ValueError("`momentum_masking=True` needs a compressor with a residue (error "
+                     "feedback): with this one every element is sent every step. "
+                     f"Received: momentum_masking=True, compressor={compressor!r}")
+
+
+def _has_first_moment(optimizer):
+  if isinstance(optimizer, keras.optimizers.SGD):
+    return float(optimizer.momentum) > 0
+  return isinstance(optimizer, keras.optimizers.Adam)  # AdamW is an Adam
+
+
+def _first_moment_slots(optimizer):
+  """The momentum (SGD) or first-moment (Adam, AdamW) variables of a built optimizer,
+  in its variable order (``optimizer._get_variable_index``).
+
+  The one place that reads Keras internals for momentum masking: Keras 3 has no public
+  accessor. SGD keeps them in ``momentums`` (an undocumented attribute), Adam and AdamW
+  in the private ``_momentums`` (keras/src/optimizers/sgd.py and adam.py, Keras 3.15).
+  tests/test_optimizer_updates.py::test_keras_momentum_slots_are_where_masking_reads_them
+  fails if either moves.
+  """
+  attribute = "momentums" if isinstance(optimizer, keras.optimizers.SGD) else "_momentums"
+  slots = getattr(optimizer, attribute, None)
+  if not slots:
+    raise RuntimeError(f"{type(optimizer).__name__} has no `{attribute}` variables in Keras "
+                       f"{keras.__version__}: momentum masking needs updating for it.")
+  return slots
+
+
+def _clip_by_global_norm(tensors, clipnorm):
+  """``tensors`` scaled by ``min(1, clipnorm / global_norm)`` (None entries kept).
+
+  A non-finite norm leaves them as they are: the step is then skipped anyway.
+  """
+  present = [t for t in tensors if t is not None]
+  if not present:
+    return list(tensors)
+  norm = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(tf.cast(t, tf.float32))) for t in present]))
+  scale = tf.where(tf.math.is_finite(norm), tf.minimum(1.0, clipnorm / norm), 1.0)
+  return [None if t is None else t * tf.cast(scale, t.dtype) for t in tensors]

@@ -1,0 +1,296 @@
+"""CompressedOptimizer's update exchange, momentum masking and local clipping.
+
+Exact checks against NumPy: each replica's own mean gradient is taken eagerly on its
+shard (tests/replica_shards.py); the replicas' local optimizer steps (SGD with momentum,
+Adam), their residues, TopK's selection, the masking and the clipping are redone in
+NumPy, and the weights every replica holds after a few steps are compared.
+"""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import replica_shards as rs
+import tf_adacomp
+from tf_adacomp import optimizer as optimizer_module
+
+LR, MOMENTUM = 0.05, 0.9
+# A large epsilon: Adam's first step is +-learning_rate on every element otherwise, and
+# TopK's choice among equal magnitudes is arbitrary.
+ADAM = dict(learning_rate=0.01, beta_1=0.9, beta_2=0.999, epsilon=0.1)
+
+
+# --- NumPy references ---------------------------------------------------------------
+
+
+class NumpySGD:
+  """Keras' SGD (momentum, not Nesterov) on one replica's own state."""
+
+  def __init__(self, weights, lr=LR, momentum=MOMENTUM):
+    self.lr, self.momentum = lr, momentum
+    self.moments = [np.zeros_like(w, np.float64) for w in weights]
+
+  def step(self, weights, grads, step):
+    del step
+    out = []
+    for v, (w, g) in enumerate(zip(weights, grads)):
+      self.moments[v] = self.momentum * self.moments[v] - self.lr * g
+      out.append((w + self.moments[v]).astype(np.float32))
+    return out
+
+
+class NumpyAdam:
+  """Keras' Adam on one replica's own state (``moments`` is the first moment)."""
+
+  def __init__(self, weights, learning_rate, beta_1, beta_2, epsilon):
+    self.lr, self.b1, self.b2, self.eps = learning_rate, beta_1, beta_2, epsilon
+    self.moments = [np.zeros_like(w, np.float64) for w in weights]
+    self.velocities = [np.zeros_like(w, np.float64) for w in weights]
+
+  def step(self, weights, grads, step):
+    t = step + 1
+    alpha = self.lr * math.sqrt(1 - self.b2 ** t) / (1 - self.b1 ** t)
+    out = []
+    for v, (w, g) in enumerate(zip(weights, grads)):
+      self.moments[v] += (g - self.moments[v]) * (1 - self.b1)
+      self.velocities[v] += (g * g - self.velocities[v]) * (1 - self.b2)
+      out.append((w - alpha * self.moments[v] / (np.sqrt(self.velocities[v]) + self.eps))
+                 .astype(np.float32))
+    return out
+
+
+def np_topk(held, density):
+  """TopK with error feedback: (sent values, new residue, sent mask) of ``held``."""
+  flat = held.ravel()
+  k = max(1, math.ceil(density * flat.size))
+  sent = np.zeros(flat.size, bool)
+  sent[np.argsort(-np.abs(flat), kind="stable")[:k]] = True
+  values = np.where(sent, flat, 0).astype(np.float32)
+  return values.reshape(held.shape), np.where(sent, 0, flat).reshape(held.shape), sent.reshape(
+      held.shape)
+
+
+def np_clip(grads, clipnorm):
+  norm = math.sqrt(sum(float(np.sum(np.square(g.astype(np.float64)))) for g in grads))
+  scale = min(1.0, clipnorm / norm)
+  return [g * scale for g in grads], scale < 1
+
+
+def reference_updates(start, replicas, steps, make_local, density=None, masking=False,
+                      clipnorm=None):
+  """Weights after the update exchange (mean of TopK-compressed local updates)."""
+  weights = [w.astype(np.float32) for w in start]
+  local = [make_local(weights) for _ in range(replicas)]
+  residues = [[np.zeros_like(w) for w in weights] for _ in range(replicas)]
+  clipped = []
+  for step in range(steps):
+    total = [np.zeros_like(w) for w in weights]
+    for r, (xs, ys) in enumerate(rs.shards(replicas, step, steps)):
+      grads = rs.own_mean_gradients(weights, xs, ys)
+      if clipnorm is not None:
+        grads, was_clipped = np_clip(grads, clipnorm)
+        clipped.append(was_clipped)
+      after = local[r].step(weights, grads, step)
+      for v, (w, a) in enumerate(zip(weights, after)):
+        delta = a - w  # float32, as the optimizer computes it
+        if density is None:
+          total[v] += delta
+          continue
+        held = residues[r][v] + delta
+        values, residues[r][v], sent = np_topk(held, density)
+        total[v] += values
+        if masking:
+          local[r].moments[v][sent] = 0.0
+    weights = [w + t / np.float32(replicas) for w, t in zip(weights, total)]
+  return weights, residues, local, clipped
+
+
+def _assert_replicas_hold(model, strategy, expected, rtol=1e-5, atol=1e-6):
+  for v, copies in enumerate(rs.replica_weights(model, strategy)):
+    for copy in copies:  # bit-identical on every replica
+      np.testing.assert_array_equal(copy, copies[0])
+    np.testing.assert_allclose(copies[0], expected[v], rtol=rtol, atol=atol)
+
+
+# --- The update exchange ------------------------------------------------------------
+
+
+def test_update_exchange_without_compression_is_the_mean_of_local_momentum_steps():
+  replicas, steps = 3, 2
+  start, model, strategy = rs.fit(lambda: tf_adacomp.CompressedOptimizer(
+      keras.optimizers.SGD(LR, momentum=MOMENTUM), "none", exchange="updates"),
+      replicas, steps)
+  expected, _, local, _ = reference_updates(start, replicas, steps, NumpySGD)
+  _assert_replicas_hold(model, strategy, expected)
+  assert int(model.optimizer.iterations.numpy()) == steps
+  # Each replica keeps its own velocity (the slots' copies differ on purpose).
+  kernel_velocity = rs.replica_values(model.optimizer.inner_optimizer.momentums[0], strategy)
+  for r in range(replicas):
+    np.testing.assert_allclose(kernel_velocity[r], local[r].moments[0], rtol=1e-5, atol=1e-6)
+  assert not np.allclose(kernel_velocity[0], kernel_velocity[1])
+
+
+@pytest.mark.parametrize("inner,masking", [("sgd", False), ("sgd", True), ("adam", True)])
+def test_update_exchange_compresses_local_updates_with_error_feedback(inner, masking):
+  replicas, steps, density = 2, 3, 0.2
+  if inner == "sgd":
+    make_inner, make_local = (lambda: keras.optimizers.SGD(LR, momentum=MOMENTUM)), NumpySGD
+  else:
+    make_inner = lambda: keras.optimizers.Adam(**ADAM)  # noqa: E731
+    make_local = lambda w: NumpyAdam(w, **ADAM)  # noqa: E731
+  start, model, strategy = rs.fit(lambda: tf_adacomp.CompressedOptimizer(
+      make_inner(), tf_adacomp.TopK(density), exchange="updates", momentum_masking=masking),
+      replicas, steps)
+  expected, residues, local, _ = reference_updates(start, replicas, steps, make_local,
+                                                   density=density, masking=masking)
+  _assert_replicas_hold(model, strategy, expected)
+  optimizer = model.optimizer
+  for v in range(len(expected)):
+    copies = rs.replica_values(optimizer.residues[v][0], strategy)
+    for r in range(replicas):
+      np.testing.assert_allclose(copies[r], residues[r][v], rtol=1e-4, atol=1e-6)
+  slots = optimizer_module._first_moment_slots(optimizer.inner_optimizer)  # pylint: disable=protected-access
+  for v in range(len(expected)):
+    copies = rs.replica_values(slots[v], strategy)
+    for r in range(replicas):
+      np.testing.assert_allclose(copies[r], local[r].moments[v], rtol=1e-4, atol=1e-6)
+      if masking:  # what the last step sent has no momentum left
+        assert np.sum(copies[r] == 0) >= math.ceil(density * copies[r].size)
+
+
+@pytest.mark.parametrize("exchange", ["gradients", "updates"])
+def test_local_clipnorm_clips_each_replicas_own_gradient(exchange):
+  replicas, steps, clipnorm = 2, 2, 4.0
+  start, model, strategy = rs.fit(lambda: tf_adacomp.CompressedOptimizer(
+      keras.optimizers.SGD(LR, momentum=MOMENTUM), "none", exchange=exchange,
+      local_clipnorm=clipnorm), replicas, steps)
+  if exchange == "updates":
+    expected, _, _, clipped = reference_updates(start, replicas, steps, NumpySGD,
+                                                clipnorm=clipnorm)
+  else:  # the mean of the clipped own gradients, through one SGD with momentum
+    weights = [w.astype(np.float32) for w in start]
+    sgd, clipped = NumpySGD(weights), []
+    for step in range(steps):
+      mean = [np.zeros_like(w, np.float64) for w in weights]
+      for xs, ys in rs.shards(replicas, step, steps):
+        grads, was_clipped = np_clip(rs.own_mean_gradients(weights, xs, ys), clipnorm)
+        clipped.append(was_clipped)
+        mean = [m + g / replicas for m, g in zip(mean, grads)]
+      weights = sgd.step(weights, mean, step)
+    expected = weights
+  assert any(clipped) and not all(clipped), clipped  # the threshold bites, not always
+  _assert_replicas_hold(model, strategy, expected)
+
+
+def test_update_exchange_skips_a_step_with_a_non_finite_gradient_on_one_replica():
+  replicas = 2
+  strategy = tf_adacomp.distribute.mirrored_strategy(devices=rs.DEVICES[:replicas])
+  x, y = rs.data(replicas, 1)
+  x[0, 0] = np.inf  # replica 0's shard only
+  with strategy.scope():
+    model = rs.model()
+    model.compile(optimizer=tf_adacomp.CompressedOptimizer(
+        keras.optimizers.SGD(LR, momentum=MOMENTUM), tf_adacomp.TopK(0.2),
+        exchange="updates", momentum_masking=True, local_clipnorm=1.0), loss="mse")
+  start = model.get_weights()
+  model.fit(x, y, batch_size=replicas * rs.PER_REPLICA, verbose=0, shuffle=False)
+  for before, copies in zip(start, rs.replica_weights(model, strategy)):
+    for copy in copies:
+      np.testing.assert_array_equal(copy, before)
+  for state in model.optimizer.residues:
+    for variable in state:
+      assert not any(np.any(c) for c in rs.replica_values(variable, strategy))
+  for slot in model.optimizer.inner_optimizer.momentums:
+    assert not any(np.any(c) for c in rs.replica_values(slot, strategy))
+
+
+def test_one_replica_update_exchange_is_the_plain_optimizer():
+  x, y = rs.data(1, 3)
+  results = []
+  for optimizer in (keras.optimizers.Adam(**ADAM),
+                    tf_adacomp.CompressedOptimizer(keras.optimizers.Adam(**ADAM), "none",
+                                                   exchange="updates")):
+    model = rs.model()
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=rs.PER_REPLICA, verbose=0, shuffle=False)
+    results.append(model.get_weights())
+  for a, b in zip(*results):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+# --- Keras internals, configuration, arguments --------------------------------------
+
+
+@pytest.mark.parametrize("make", [
+    lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    lambda: keras.optimizers.Adam(0.1),
+    lambda: keras.optimizers.AdamW(0.1),
+])
+def test_keras_momentum_slots_are_where_masking_reads_them(make):
+  """Fails if Keras moves SGD's ``momentums`` or Adam's ``_momentums`` (masking reads
+  them through ``optimizer._first_moment_slots`` only)."""
+  inner = make()
+  variables = [keras.Variable(np.ones([3, 2], np.float32)), keras.Variable(np.ones([2], np.float32))]
+  inner.build(variables)
+  slots = optimizer_module._first_moment_slots(inner)  # pylint: disable=protected-access
+  assert [tuple(s.shape) for s in slots] == [(3, 2), (2,)]
+  grads = [np.full([3, 2], 2.0, np.float32), np.full([2], 2.0, np.float32)]
+  inner.apply(grads, variables)
+  for slot in slots:  # the first moment after one step: -lr * g (SGD) or 0.1 * g (Adam)
+    assert np.allclose(slot.numpy(), -0.2 if isinstance(inner, keras.optimizers.SGD) else 0.2)
+
+
+def test_config_round_trip_and_the_adasum_mode_synonym():
+  optimizer = tf_adacomp.CompressedOptimizer(
+      keras.optimizers.Adam(0.01), tf_adacomp.TopK(0.05), exchange="updates",
+      momentum_masking=True, local_clipnorm=2.5)
+  restored = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
+  assert (restored.exchange, restored.momentum_masking, restored.local_clipnorm) == (
+      "updates", True, 2.5)
+  assert restored.reduction == "sum" and restored.adasum_mode == "delta"
+  delta = tf_adacomp.CompressedOptimizer(keras.optimizers.SGD(LR), reduction="adasum",
+                                         adasum_mode="delta")
+  assert delta.exchange == "updates"
+  restored = tf_adacomp.CompressedOptimizer.from_config(delta.get_config())
+  assert (restored.reduction, restored.exchange, restored.adasum_mode) == (
+      "adasum", "updates", "delta")
+  gradient = tf_adacomp.CompressedOptimizer(keras.optimizers.SGD(LR), reduction="adasum",
+                                            adasum_mode="gradient")
+  assert gradient.exchange == "gradients"
+  # A configuration saved before `exchange` existed keeps the exchange it ran with.
+  old = {k: v for k, v in delta.get_config().items()
+         if k not in ("exchange", "momentum_masking", "local_clipnorm")}
+  assert tf_adacomp.CompressedOptimizer.from_config(old).exchange == "updates"
+  old.update(reduction="sum")  # "delta" was silently ignored with "sum"
+  assert tf_adacomp.CompressedOptimizer.from_config(old).exchange == "gradients"
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"exchange": "deltas"}, r"exchange='deltas'"),
+    ({"adasum_mode": "delta"}, r"adasum_mode='delta', reduction='sum'"),
+    ({"adasum_mode": "delta", "reduction": "adasum", "exchange": "gradients"},
+     r"adasum_mode='delta', exchange='gradients'"),
+    ({"adasum_mode": "gradient", "exchange": "updates"},
+     r"adasum_mode='gradient', exchange='updates'"),
+    ({"momentum_masking": 1}, r"momentum_masking=1"),
+    ({"momentum_masking": True, "exchange": "gradients"},
+     r"momentum_masking=True, exchange='gradients'"),
+    ({"momentum_masking": True, "exchange": "updates",
+      "inner_optimizer": keras.optimizers.SGD(0.1)}, r"momentum_masking=True, inner_optimizer="),
+    ({"momentum_masking": True, "exchange": "updates",
+      "inner_optimizer": keras.optimizers.RMSprop(0.1)}, r"momentum_masking=True, inner_opt"),
+    ({"momentum_masking": True, "exchange": "updates", "compressor": "fp16"},
+     r"momentum_masking=True, compressor="),
+    ({"local_clipnorm": 0.0}, r"local_clipnorm=0.0"),
+    ({"local_clipnorm": -1}, r"local_clipnorm=-1"),
+    ({"local_clipnorm": float("inf")}, r"local_clipnorm=inf"),
+    ({"local_clipnorm": "1"}, r"local_clipnorm='1'"),
+    ({"local_clipnorm": True}, r"local_clipnorm=True"),
+])
+def test_bad_arguments_name_themselves(kwargs, match):
+  kwargs = {"inner_optimizer": keras.optimizers.SGD(0.1, momentum=0.9), **kwargs}
+  with pytest.raises(ValueError, match=match):
+    tf_adacomp.CompressedOptimizer(**kwargs)
