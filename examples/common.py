@@ -32,6 +32,8 @@ STRATEGIES = ("mirrored", "multi_worker", "one_device")
 EXCHANGES = ("optimizer", "cross_device_ops")
 REDUCTIONS = ("sum", "adasum")  # tf_adacomp.collectives.REDUCTIONS (test_common checks)
 ADASUM_MODES = ("gradient", "delta")  # tf_adacomp.optimizer.ADASUM_MODES
+OPTIMIZER_EXCHANGES = ("gradients", "updates")  # tf_adacomp.optimizer.EXCHANGES
+DEFAULT_OPTIMIZER_EXCHANGE = "gradients"  # tf_adacomp.optimizer.DEFAULT_EXCHANGE
 LR_SCHEDULES = ("constant", "cosine", "step", "legw")
 OPTIMIZERS = ("sgd", "adam")
 # Kept in step with tf_adacomp.available_compressors() by tests/examples/test_common.py
@@ -56,6 +58,14 @@ flags.DEFINE_enum("reduction", None, REDUCTIONS,
 flags.DEFINE_enum("adasum_mode", None, ADASUM_MODES,
                   "With --reduction=adasum and --exchange=optimizer: Adasum of gradients, "
                   "or of each replica's optimizer update (delta, Horovod's).")
+flags.DEFINE_enum("optimizer_exchange", None, OPTIMIZER_EXCHANGES,
+                  "With --exchange=optimizer: what CompressedOptimizer compresses, the "
+                  "gradients or each replica's local optimizer update (default: the "
+                  "library's; docs/distributed.md).")
+flags.DEFINE_boolean("momentum_masking", None, "With --optimizer_exchange=updates: zero "
+                     "the local momentum where an element was sent (DGC).")
+flags.DEFINE_float("local_clipnorm", None, "With --exchange=optimizer: clip each "
+                   "replica's own mean gradient to this global norm before compression.")
 flags.DEFINE_integer("conv_bin_size", None, "AdaComp bin length L_T of conv kernels (50).")
 flags.DEFINE_integer("dense_bin_size", None, "AdaComp L_T of dense kernels (500).")
 flags.DEFINE_integer("recurrent_bin_size", None, "AdaComp L_T of recurrent kernels (500).")
@@ -104,6 +114,9 @@ class Config:
   exchange: str = "optimizer"
   reduction: str = "sum"
   adasum_mode: str = "gradient"
+  optimizer_exchange: Optional[str] = None  # None: CompressedOptimizer's default
+  momentum_masking: bool = False
+  local_clipnorm: Optional[float] = None
   conv_bin_size: int = 50
   dense_bin_size: int = 500
   recurrent_bin_size: int = 500
@@ -193,6 +206,23 @@ def validate(config: Config):
     need(config.reduction == "adasum" and config.exchange == "optimizer", "adasum_mode",
          "'gradient' unless --reduction=adasum --exchange=optimizer (the delta mode is the "
          "optimizer's)")
+  need(config.optimizer_exchange in (None, *OPTIMIZER_EXCHANGES), "optimizer_exchange",
+       f"one of {OPTIMIZER_EXCHANGES} or unset")
+  need(config.optimizer_exchange in (None, "updates") or config.adasum_mode != "delta",
+       "optimizer_exchange", "'updates' or unset with --adasum_mode=delta")
+  for name in ("optimizer_exchange", "local_clipnorm"):
+    need(getattr(config, name) is None or config.exchange == "optimizer", name,
+         "unset with --exchange=cross_device_ops (a CompressedOptimizer option)")
+  need(config.local_clipnorm is None or (config.local_clipnorm > 0
+                                         and math.isfinite(config.local_clipnorm)),
+       "local_clipnorm", "a finite number > 0 or unset")
+  need(config.momentum_masking in (True, False), "momentum_masking", "True or False")
+  if config.momentum_masking:
+    exchange = config.optimizer_exchange or (
+        "updates" if config.adasum_mode == "delta" else DEFAULT_OPTIMIZER_EXCHANGE)
+    need(config.exchange == "optimizer" and exchange == "updates", "momentum_masking",
+         "False unless --exchange=optimizer exchanges updates (--optimizer_exchange="
+         "updates or --adasum_mode=delta)")
   need(config.lr_schedule in LR_SCHEDULES, "lr_schedule", f"one of {LR_SCHEDULES}")
   need(config.optimizer in OPTIMIZERS, "optimizer", f"one of {OPTIMIZERS}")
   need(config.replicas is None or config.replicas >= 1, "replicas", ">= 1")
@@ -328,13 +358,19 @@ def make_optimizer(config: Config, steps_per_epoch: int):
     inner = keras.optimizers.SGD(rate, momentum=0.9)
   else:
     inner = keras.optimizers.Adam(rate)
-  if ((config.compressor == "none" and config.reduction == "sum")
-      or config.exchange == "cross_device_ops"):
+  plain = (config.compressor == "none" and config.reduction == "sum"
+           and config.optimizer_exchange in (None, "gradients")
+           and config.local_clipnorm is None)
+  if plain or config.exchange == "cross_device_ops":
     return inner
-  return tf_adacomp.CompressedOptimizer(inner, make_compressor(config),
-                                        start_step=config.start_step,
-                                        reduction=config.reduction,
-                                        adasum_mode=config.adasum_mode)
+  return tf_adacomp.CompressedOptimizer(
+      inner, make_compressor(config), start_step=config.start_step,
+      reduction=config.reduction,
+      # "gradient" is the flag's default: only "delta" says something --optimizer_exchange
+      # does not.
+      adasum_mode="delta" if config.adasum_mode == "delta" else None,
+      exchange=config.optimizer_exchange, momentum_masking=config.momentum_masking,
+      local_clipnorm=config.local_clipnorm)
 
 
 # --- Input pipelines ----------------------------------------------------------------

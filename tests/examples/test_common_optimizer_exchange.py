@@ -1,0 +1,37 @@
+"""The examples' --optimizer_exchange, --momentum_masking and --local_clipnorm flags."""
+
+import pytest
+
+import tf_adacomp
+from tf_adacomp.examples import common
+from tf_adacomp.examples import fashion_mnist
+
+
+def test_the_flags_reach_the_optimizer():
+  config = common.make_config(fashion_mnist, optimizer_exchange="updates",
+                              momentum_masking=True, local_clipnorm=5.0)
+  optimizer = common.make_optimizer(config, steps_per_epoch=10)
+  assert (optimizer.exchange, optimizer.momentum_masking, optimizer.local_clipnorm) == (
+      "updates", True, 5.0)
+  # No compression, but local optimizer steps: still the wrapper.
+  config = common.make_config(fashion_mnist, compressor="none", optimizer_exchange="updates")
+  assert isinstance(common.make_optimizer(config, 10), tf_adacomp.CompressedOptimizer)
+  config = common.make_config(fashion_mnist, reduction="adasum", adasum_mode="delta")
+  assert common.make_optimizer(config, 10).exchange == "updates"
+  assert common.OPTIMIZER_EXCHANGES == tf_adacomp.optimizer.EXCHANGES
+  assert common.DEFAULT_OPTIMIZER_EXCHANGE == tf_adacomp.optimizer.DEFAULT_EXCHANGE
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"optimizer_exchange": "deltas"}, "optimizer_exchange='deltas'"),
+    ({"optimizer_exchange": "gradients", "adasum_mode": "delta", "reduction": "adasum"},
+     "optimizer_exchange='gradients'"),
+    ({"optimizer_exchange": "updates", "exchange": "cross_device_ops"},
+     "optimizer_exchange='updates'"),
+    ({"momentum_masking": True, "optimizer_exchange": "gradients"}, "momentum_masking=True"),
+    ({"local_clipnorm": -1.0}, "local_clipnorm=-1.0"),
+    ({"local_clipnorm": 1.0, "exchange": "cross_device_ops"}, "local_clipnorm=1.0"),
+])
+def test_bad_settings_are_named_with_the_value(overrides, match):
+  with pytest.raises(ValueError, match=match):
+    common.make_config(fashion_mnist, **overrides)
