@@ -1,7 +1,7 @@
 """CompressedOptimizer's update exchange, momentum masking and local clipping.
 
 Exact checks against NumPy: each replica's own mean gradient is taken eagerly on its
-shard (tests/replica_shards.py); the replicas' local optimizer steps (SGD with momentum,
+shard; the replicas' local optimizer steps (SGD with momentum,
 Adam), their residues, TopK's selection, the masking and the clipping are redone in
 NumPy, and the weights every replica holds after a few steps are compared.
 """
@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import replica_shards as rs
 import tf_adacomp
 from tf_adacomp import optimizer as optimizer_module
 
@@ -21,6 +20,75 @@ LR, MOMENTUM = 0.05, 0.9
 # A large epsilon: Adam's first step is +-learning_rate on every element otherwise, and
 # TopK's choice among equal magnitudes is arbitrary.
 ADAM = dict(learning_rate=0.01, beta_1=0.9, beta_2=0.999, epsilon=0.1)
+
+
+# --- A tiny linear model whose replicas see different data ----------------------------
+# Each replica's shard of a batch has its own target map, so the replicas' gradients
+# disagree; ``own_mean_gradients`` gives, eagerly and without a strategy, the gradient
+# one replica computes on its shard (as in tests/test_optimizer_adasum.py).
+
+DEVICES = [f"/cpu:{i}" for i in range(4)]
+FEATURES, OUTPUTS, PER_REPLICA = 5, 3, 4
+
+
+def _linear_model():
+  keras.utils.set_random_seed(1)
+  return keras.Sequential([keras.Input([FEATURES]), keras.layers.Dense(OUTPUTS)])
+
+
+def _data(replicas, steps):
+  rng = np.random.default_rng(7)
+  x = rng.standard_normal([steps * replicas * PER_REPLICA, FEATURES]).astype(np.float32)
+  maps = rng.standard_normal([replicas, FEATURES, OUTPUTS]).astype(np.float32)
+  shard = (np.arange(len(x)) // PER_REPLICA) % replicas
+  y = np.einsum("nf,nfo->no", x, maps[shard]).astype(np.float32)
+  return x, y
+
+
+def _own_mean_gradients(weights, x, y):
+  """Per-variable gradients of the mean squared error of one shard (no strategy)."""
+  net = _linear_model()
+  net.set_weights(weights)
+  with tf.GradientTape() as tape:
+    loss = tf.reduce_mean(keras.losses.mean_squared_error(y, net(x)))
+  return [g.numpy() for g in tape.gradient(loss, net.trainable_variables)]
+
+
+def _fit(optimizer, replicas, steps, cross_device_ops=None):
+  """``model.fit`` for ``steps`` steps on ``replicas`` devices; ``optimizer`` is a factory.
+
+  Returns ``(start weights, model, strategy)``.
+  """
+  strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES[:replicas],
+                                                     cross_device_ops=cross_device_ops)
+  x, y = _data(replicas, steps)
+  with strategy.scope():
+    net = _linear_model()
+    net.compile(optimizer=optimizer(), loss="mse")
+  start = net.get_weights()
+  net.fit(x, y, batch_size=replicas * PER_REPLICA, epochs=1, shuffle=False, verbose=0)
+  return start, net, strategy
+
+
+def _shards(replicas, step, steps):
+  """``[(x, y)]`` of each replica at ``step``."""
+  x, y = _data(replicas, steps)
+  batch = slice(step * replicas * PER_REPLICA, (step + 1) * replicas * PER_REPLICA)
+  xb, yb = x[batch], y[batch]
+  return [(xb[r * PER_REPLICA:(r + 1) * PER_REPLICA], yb[r * PER_REPLICA:(r + 1) * PER_REPLICA])
+          for r in range(replicas)]
+
+
+def _replica_weights(net, strategy):
+  """``[[copy on each replica] per trainable variable]``."""
+  return [[c.numpy() for c in strategy.experimental_local_results(v.value)]
+          for v in net.trainable_variables]
+
+
+def _replica_values(variable, strategy):
+  """Each replica's copy of a (Keras) variable."""
+  value = variable.value if isinstance(variable, keras.Variable) else variable
+  return [c.numpy() for c in strategy.experimental_local_results(value)]
 
 
 # --- NumPy references ---------------------------------------------------------------
@@ -88,8 +156,8 @@ def reference_updates(start, replicas, steps, make_local, density=None, masking=
   clipped = []
   for step in range(steps):
     total = [np.zeros_like(w) for w in weights]
-    for r, (xs, ys) in enumerate(rs.shards(replicas, step, steps)):
-      grads = rs.own_mean_gradients(weights, xs, ys)
+    for r, (xs, ys) in enumerate(_shards(replicas, step, steps)):
+      grads = _own_mean_gradients(weights, xs, ys)
       if clipnorm is not None:
         grads, was_clipped = np_clip(grads, clipnorm)
         clipped.append(was_clipped)
@@ -109,7 +177,7 @@ def reference_updates(start, replicas, steps, make_local, density=None, masking=
 
 
 def _assert_replicas_hold(model, strategy, expected, rtol=1e-5, atol=1e-6):
-  for v, copies in enumerate(rs.replica_weights(model, strategy)):
+  for v, copies in enumerate(_replica_weights(model, strategy)):
     for copy in copies:  # bit-identical on every replica
       np.testing.assert_array_equal(copy, copies[0])
     np.testing.assert_allclose(copies[0], expected[v], rtol=rtol, atol=atol)
@@ -120,14 +188,14 @@ def _assert_replicas_hold(model, strategy, expected, rtol=1e-5, atol=1e-6):
 
 def test_update_exchange_without_compression_is_the_mean_of_local_momentum_steps():
   replicas, steps = 3, 2
-  start, model, strategy = rs.fit(lambda: tf_adacomp.CompressedOptimizer(
+  start, model, strategy = _fit(lambda: tf_adacomp.CompressedOptimizer(
       keras.optimizers.SGD(LR, momentum=MOMENTUM), "none", exchange="updates"),
       replicas, steps)
   expected, _, local, _ = reference_updates(start, replicas, steps, NumpySGD)
   _assert_replicas_hold(model, strategy, expected)
   assert int(model.optimizer.iterations.numpy()) == steps
   # Each replica keeps its own velocity (the slots' copies differ on purpose).
-  kernel_velocity = rs.replica_values(model.optimizer.inner_optimizer.momentums[0], strategy)
+  kernel_velocity = _replica_values(model.optimizer.inner_optimizer.momentums[0], strategy)
   for r in range(replicas):
     np.testing.assert_allclose(kernel_velocity[r], local[r].moments[0], rtol=1e-5, atol=1e-6)
   assert not np.allclose(kernel_velocity[0], kernel_velocity[1])
@@ -141,7 +209,7 @@ def test_update_exchange_compresses_local_updates_with_error_feedback(inner, mas
   else:
     make_inner = lambda: keras.optimizers.Adam(**ADAM)  # noqa: E731
     make_local = lambda w: NumpyAdam(w, **ADAM)  # noqa: E731
-  start, model, strategy = rs.fit(lambda: tf_adacomp.CompressedOptimizer(
+  start, model, strategy = _fit(lambda: tf_adacomp.CompressedOptimizer(
       make_inner(), tf_adacomp.TopK(density), exchange="updates", momentum_masking=masking),
       replicas, steps)
   expected, residues, local, _ = reference_updates(start, replicas, steps, make_local,
@@ -149,12 +217,12 @@ def test_update_exchange_compresses_local_updates_with_error_feedback(inner, mas
   _assert_replicas_hold(model, strategy, expected)
   optimizer = model.optimizer
   for v in range(len(expected)):
-    copies = rs.replica_values(optimizer.residues[v][0], strategy)
+    copies = _replica_values(optimizer.residues[v][0], strategy)
     for r in range(replicas):
       np.testing.assert_allclose(copies[r], residues[r][v], rtol=1e-4, atol=1e-6)
   slots = optimizer_module._first_moment_slots(optimizer.inner_optimizer)  # pylint: disable=protected-access
   for v in range(len(expected)):
-    copies = rs.replica_values(slots[v], strategy)
+    copies = _replica_values(slots[v], strategy)
     for r in range(replicas):
       np.testing.assert_allclose(copies[r], local[r].moments[v], rtol=1e-4, atol=1e-6)
       if masking:  # what the last step sent has no momentum left
@@ -164,7 +232,7 @@ def test_update_exchange_compresses_local_updates_with_error_feedback(inner, mas
 @pytest.mark.parametrize("exchange", ["gradients", "updates"])
 def test_local_clipnorm_clips_each_replicas_own_gradient(exchange):
   replicas, steps, clipnorm = 2, 2, 4.0
-  start, model, strategy = rs.fit(lambda: tf_adacomp.CompressedOptimizer(
+  start, model, strategy = _fit(lambda: tf_adacomp.CompressedOptimizer(
       keras.optimizers.SGD(LR, momentum=MOMENTUM), "none", exchange=exchange,
       local_clipnorm=clipnorm), replicas, steps)
   if exchange == "updates":
@@ -175,8 +243,8 @@ def test_local_clipnorm_clips_each_replicas_own_gradient(exchange):
     sgd, clipped = NumpySGD(weights), []
     for step in range(steps):
       mean = [np.zeros_like(w, np.float64) for w in weights]
-      for xs, ys in rs.shards(replicas, step, steps):
-        grads, was_clipped = np_clip(rs.own_mean_gradients(weights, xs, ys), clipnorm)
+      for xs, ys in _shards(replicas, step, steps):
+        grads, was_clipped = np_clip(_own_mean_gradients(weights, xs, ys), clipnorm)
         clipped.append(was_clipped)
         mean = [m + g / replicas for m, g in zip(mean, grads)]
       weights = sgd.step(weights, mean, step)
@@ -187,35 +255,35 @@ def test_local_clipnorm_clips_each_replicas_own_gradient(exchange):
 
 def test_update_exchange_skips_a_step_with_a_non_finite_gradient_on_one_replica():
   replicas = 2
-  strategy = tf_adacomp.distribute.mirrored_strategy(devices=rs.DEVICES[:replicas])
-  x, y = rs.data(replicas, 1)
+  strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES[:replicas])
+  x, y = _data(replicas, 1)
   x[0, 0] = np.inf  # replica 0's shard only
   with strategy.scope():
-    model = rs.model()
+    model = _linear_model()
     model.compile(optimizer=tf_adacomp.CompressedOptimizer(
         keras.optimizers.SGD(LR, momentum=MOMENTUM), tf_adacomp.TopK(0.2),
         exchange="updates", momentum_masking=True, local_clipnorm=1.0), loss="mse")
   start = model.get_weights()
-  model.fit(x, y, batch_size=replicas * rs.PER_REPLICA, verbose=0, shuffle=False)
-  for before, copies in zip(start, rs.replica_weights(model, strategy)):
+  model.fit(x, y, batch_size=replicas * PER_REPLICA, verbose=0, shuffle=False)
+  for before, copies in zip(start, _replica_weights(model, strategy)):
     for copy in copies:
       np.testing.assert_array_equal(copy, before)
   for state in model.optimizer.residues:
     for variable in state:
-      assert not any(np.any(c) for c in rs.replica_values(variable, strategy))
+      assert not any(np.any(c) for c in _replica_values(variable, strategy))
   for slot in model.optimizer.inner_optimizer.momentums:
-    assert not any(np.any(c) for c in rs.replica_values(slot, strategy))
+    assert not any(np.any(c) for c in _replica_values(slot, strategy))
 
 
 def test_one_replica_update_exchange_is_the_plain_optimizer():
-  x, y = rs.data(1, 3)
+  x, y = _data(1, 3)
   results = []
   for optimizer in (keras.optimizers.Adam(**ADAM),
                     tf_adacomp.CompressedOptimizer(keras.optimizers.Adam(**ADAM), "none",
                                                    exchange="updates")):
-    model = rs.model()
+    model = _linear_model()
     model.compile(optimizer=optimizer, loss="mse")
-    model.fit(x, y, batch_size=rs.PER_REPLICA, verbose=0, shuffle=False)
+    model.fit(x, y, batch_size=PER_REPLICA, verbose=0, shuffle=False)
     results.append(model.get_weights())
   for a, b in zip(*results):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
