@@ -37,15 +37,16 @@ def _fit(optimizer, strategy=None, epochs=1, steps=None, callbacks=None, seed=0)
 def test_no_compression_matches_the_inner_optimizer(use_strategy):
   strategy = (lambda: tf_adacomp.distribute.mirrored_strategy(devices=DEVICES)) if use_strategy else (lambda: None)
   plain = _fit(_sgd, strategy())
-  wrapped = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "none"), strategy())
+  wrapped = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "none", exchange="gradients"),
+                 strategy())
   for a, b in zip(plain.get_weights(), wrapped.get_weights()):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_adacomp_keeps_replicas_identical_and_residues_per_replica():
   strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES)
-  model = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), _adacomp_kernels_only()), strategy,
-               steps=10)
+  model = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), _adacomp_kernels_only(),
+                                                      exchange="gradients"), strategy, steps=10)
   for variable in model.trainable_variables:
     copies = [v.numpy() for v in variable.value.values]
     for other in copies[1:]:
@@ -90,7 +91,8 @@ def test_a_non_finite_step_changes_neither_residues_nor_weights():
   strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES)
   (x, y), _ = digits_data.flat()
   with strategy.scope():
-    model = digits_data.mlp(0, tf_adacomp.CompressedOptimizer(_sgd(), "adacomp"))
+    model = digits_data.mlp(0, tf_adacomp.CompressedOptimizer(_sgd(), "adacomp",
+                                                              exchange="gradients"))
   model.fit(x[:256], y[:256], batch_size=64, epochs=1, verbose=0)
   weights = model.get_weights()
   residues = _residue_values(model.optimizer)
@@ -170,14 +172,16 @@ def _record_exchanges(monkeypatch):
 def test_only_compressed_payloads_are_exchanged(monkeypatch):
   seen = _record_exchanges(monkeypatch)
   strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES)
-  _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "adacomp"), strategy, steps=2)
+  _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "adacomp", exchange="gradients"), strategy,
+       steps=2)
   gathered = [s for s in seen if s[0] == "gather"]
   assert gathered and all(dtype == tf.int32 for _, dtype, _ in gathered)
   assert not [s for s in seen if s[1].is_floating and (s[2].num_elements() or 2) > 1], seen
   # With no compression, the same step all-reduces the float32 gradients themselves.
   seen.clear()
   strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES)
-  _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "none"), strategy, steps=2)
+  _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "none", exchange="gradients"), strategy,
+       steps=2)
   assert ("reduce", tf.float32, tf.TensorShape([64, 64])) in seen
 
 
@@ -185,7 +189,8 @@ def test_warm_up_sends_dense_then_compresses():
   strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES)
   (x, y), _ = digits_data.flat()
   with strategy.scope():
-    model = digits_data.mlp(0, tf_adacomp.CompressedOptimizer(_sgd(), "adacomp", start_step=3))
+    model = digits_data.mlp(0, tf_adacomp.CompressedOptimizer(_sgd(), "adacomp", start_step=3,
+                                                              exchange="gradients"))
   ratios = []
 
   class Record(keras.callbacks.Callback):

@@ -75,7 +75,7 @@ def test_gradient_mode_is_the_adasum_of_the_replicas_mean_gradients(replicas, ex
   steps = 2
   if exchange == "optimizer":
     optimizer = lambda: tf_adacomp.CompressedOptimizer(  # noqa: E731
-        keras.optimizers.SGD(LR), "none", reduction="adasum")
+        keras.optimizers.SGD(LR), "none", reduction="adasum", exchange="gradients")
     ops = None
   else:
     optimizer = lambda: keras.optimizers.SGD(LR)  # noqa: E731
