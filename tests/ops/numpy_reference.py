@@ -89,6 +89,7 @@ class Result:
   count: int
   bits: int
   finite: bool
+  scales: np.ndarray = None  # scale="bin": each bin's scale (float32 values of bfloat16)
 
   def pairs(self):
     """Set of (position, negative) of the kept elements."""
@@ -226,3 +227,110 @@ def ulp_diff_f32(a, b) -> int:
 
 
 BFLOAT16 = ml_dtypes.bfloat16
+
+
+# --------------------------------------------------------------- scale="bin" variant
+#
+# Contract (docs/wire_format.md, "Per-bin scales"):
+# - gmax, H, G, the selection rule and the cap as above; each bin's scale is its gmax
+#   rounded to float32 then to bfloat16 (round to nearest even both times);
+# - selected additionally needs the element's bin scale > 0;
+# - Q_i = sign(G_i) * scale[bin(i)] for kept i; non-finite G, or a scale that is not
+#   finite in bfloat16: nothing kept, residue unchanged, word 1 NaN (else word 1 = 0);
+# - payload: [count, word 1, bits | 256, bins, ceil(bins / 2) words of the bfloat16
+#   scales (bin b in the low half of word 4 + b // 2 when b is even, the high half when
+#   odd), codes packed little-endian from word 4 + ceil(bins / 2)].
+
+BIN_HEADER_WORDS = 4
+BIN_SCALE_FLAG = 256
+
+
+def bins_for(n: int, bin_size: int) -> int:
+  return -(-n // bin_size)
+
+
+def payload_words_per_bin(n: int, bin_size: int, max_density: float = 1.0) -> int:
+  return (BIN_HEADER_WORDS + -(-bins_for(n, bin_size) // 2)
+          + (capacity(n, max_density) * code_bits(n) + 31) // 32)
+
+
+def nbytes_for_per_bin(count: int, n: int, bin_size: int) -> int:
+  return 4 * (BIN_HEADER_WORDS + -(-bins_for(n, bin_size) // 2)
+              + -(-(count * code_bits(n)) // 32))
+
+
+def reference_compress_per_bin(grad, residue, bin_size: int,
+                               max_density: float = 1.0) -> Result:
+  """Reference compress with one bfloat16 scale per bin; ``Result.scales`` holds them
+  (as float32) and ``Result.scale`` is 0 (NaN when not finite)."""
+  grad = np.asarray(grad)
+  residue = np.asarray(residue)
+  assert grad.shape == residue.shape
+  cd = compute_dtype(grad.dtype, residue.dtype)
+  n = grad.size
+  dw = grad.reshape(-1).astype(cd)
+  r = residue.reshape(-1).astype(cd)
+  with np.errstate(over="ignore", invalid="ignore"):
+    g = (r + dw).astype(cd)
+    h = (g + dw).astype(cd)
+  bins = bins_for(n, bin_size)
+  absg = np.abs(g)
+  gmax = np.array([absg[b * bin_size:(b + 1) * bin_size].max() for b in range(bins)], cd)
+  with np.errstate(over="ignore", invalid="ignore"):
+    scales = gmax.astype(np.float32).astype(BFLOAT16).astype(np.float32)
+  finite = bool(np.all(np.isfinite(g))) and bool(np.all(np.isfinite(scales)))
+  if not finite:
+    kept = np.zeros([n], bool)
+    return Result(g, h, gmax, kept.copy(), kept, np.float32(np.nan), np.zeros([n], cd),
+                  residue.copy(), 0, code_bits(n), False, scales)
+  bin_of = np.arange(n) // bin_size
+  threshold = gmax[bin_of] if n else np.zeros([0], cd)
+  element_scale = scales[bin_of].astype(cd) if n else np.zeros([0], cd)
+  selected = (np.abs(h) >= threshold) & (g != 0) & (element_scale > 0)
+  cap = capacity(n, max_density)
+  kept = selected.copy()
+  if selected.sum() > cap:
+    idx = np.nonzero(selected)[0]
+    order = idx[np.argsort(column_order_key(n)[idx], kind="stable")]
+    kept = np.zeros([n], bool)
+    kept[order[:cap]] = True
+  q = np.where(kept, np.where(g < 0, -element_scale, element_scale), cd(0)).astype(cd)
+  with np.errstate(over="ignore", invalid="ignore"):
+    new_residue = cast((g - q).astype(cd), residue.dtype).reshape(residue.shape)
+  return Result(g, h, gmax, selected, kept, np.float32(0), q, new_residue, int(kept.sum()),
+                code_bits(n), True, scales)
+
+
+@dataclasses.dataclass
+class DecodedPerBin:
+  count: int
+  marker: np.float32   # word 1: 0, or NaN for a non-finite step
+  bits_word: int
+  bins: int
+  scales: np.ndarray   # float32 [bins], from the bfloat16 halves
+  pairs: set
+  positions: list
+
+
+def unpack_payload_per_bin(payload, n: int, bin_size: int) -> DecodedPerBin:
+  """Independent unpacker of one scale="bin" payload row."""
+  words = np.asarray(payload).astype(np.int32).reshape(-1)
+  bins = bins_for(n, bin_size)
+  start = BIN_HEADER_WORDS + -(-bins // 2)
+  assert words.size >= start
+  halves = words[BIN_HEADER_WORDS:start].astype("<i4").view("<u2")  # low half first
+  scales = halves.view(BFLOAT16)[:bins].astype(np.float32)
+  bits = code_bits(n)
+  rest = unpack_payload(np.concatenate([[words[0], 0, bits], words[start:]]).astype(np.int32),
+                        n)
+  return DecodedPerBin(int(words[0]), words[1:2].view(np.float32)[0], int(words[2]),
+                       int(words[3]), scales, rest.pairs, rest.positions)
+
+
+def dense_from_pairs_per_bin(pairs, scales, n: int, bin_size: int,
+                             dtype=np.float32) -> np.ndarray:
+  out = np.zeros([n], dtype)
+  for p, neg in pairs:
+    s = dtype(scales[p // bin_size])
+    out[p] = -s if neg else s
+  return out

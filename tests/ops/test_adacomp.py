@@ -694,3 +694,237 @@ def test_sparse_and_dense_selections_use_either_encoder_tier(
   residue = (residue_scale * rng.standard_normal(20000)).astype(np.float32)
   payload, _, _, _ = check_against_reference(grad, residue, 50, max_density)
   assert (int(payload[0]) <= 20000 / 16) == expect_small_tier
+
+
+# ----------------------------------------------------- 10. scale="bin": per-bin scales
+
+
+def check_per_bin_against_reference(grad_np, residue_np, bin_size, max_density=1.0,
+                                    truncated=False):
+  """scale="bin" through the kernel, checked exactly against the NumPy reference (and,
+  with ``truncated``, that the payload cut to its counted bytes decodes the same)."""
+  n, shape = grad_np.size, grad_np.shape
+  payload, new_residue = adacomp_compress(tf.constant(grad_np), tf.constant(residue_np),
+                                          bin_size, max_density, scale="bin")
+  width = ref.payload_words_per_bin(n, bin_size, max_density)
+  assert payload.dtype == tf.int32 and payload.shape == [width]
+  assert payload_words(n, max_density, "bin", bin_size) == width
+  assert new_residue.dtype == tf.as_dtype(residue_np.dtype)
+  p = payload.numpy()
+  r = ref.reference_compress_per_bin(grad_np, residue_np, bin_size, max_density)
+  dec = ref.unpack_payload_per_bin(p, n, bin_size)
+
+  assert dec.bits_word == r.bits | ref.BIN_SCALE_FLAG
+  assert dec.bins == ref.bins_for(n, bin_size)
+  assert dec.marker == 0.0
+  assert dec.count == r.count
+  np.testing.assert_array_equal(dec.scales, r.scales)  # bfloat16 maxima, bit for bit
+  assert len(set(dec.positions)) == dec.count
+  assert dec.pairs == r.pairs(), (
+      f"missing={sorted(r.pairs() - dec.pairs)[:10]} extra={sorted(dec.pairs - r.pairs())[:10]}")
+  got, want = new_residue.numpy(), r.new_residue
+  if residue_np.dtype != np.float64:
+    got, want = as_f32(got), as_f32(want)
+  np.testing.assert_array_equal(got, want)  # exactly G - Q
+
+  nb = payload_nbytes(payload)
+  assert int(nb) == ref.nbytes_for_per_bin(r.count, n, bin_size)
+
+  out_dtype = decode_dtype_for(grad_np, residue_np)
+  dense = adacomp_decompress(payload, shape, out_dtype, scale="bin", bin_size=bin_size)
+  assert dense.dtype == out_dtype and tuple(dense.shape) == tuple(shape)
+  np.testing.assert_array_equal(dense.numpy().reshape(-1),
+                                r.q.astype(out_dtype.as_numpy_dtype))
+  np.testing.assert_array_equal(
+      dense.numpy().reshape(-1),
+      ref.dense_from_pairs_per_bin(dec.pairs, dec.scales, n, bin_size,
+                                   out_dtype.as_numpy_dtype))
+  if truncated:  # only the counted bytes matter
+    short = adacomp_decompress(p[:int(nb) // 4], shape, out_dtype, scale="bin",
+                               bin_size=bin_size)
+    np.testing.assert_array_equal(short.numpy(), dense.numpy())
+  return p, new_residue.numpy(), r
+
+
+# Most cases share one shape and bin size, so that they share compiled kernels.
+PER_BIN_SHAPE = [64, 33]  # 2,112 elements: 43 bins of 50, the last of 12
+
+
+@pytest.mark.parametrize("shape,bin_size,grad_dtype,max_density", [
+    (PER_BIN_SHAPE, 50, "float32", 1.0),
+    ([3, 3, 16, 32], 50, "float32", 0.05),   # the cap holds some back
+    ([51], 50, "bfloat16", 1.0),              # a short last bin, odd number of bins
+    ([7, 9], 1, "float16", 1.0),              # one element per bin
+    ([3, 4, 5], 500, "float64", 1.0),         # one bin, float64 compute
+    ([0], 7, "float32", 1.0),
+], ids=str)
+def test_per_bin_matches_reference(shape, bin_size, grad_dtype, max_density):
+  rng = np.random.default_rng(2000 + bin_size + int(np.prod(shape)))
+  grad = random_array(shape, NP_DTYPES[grad_dtype], rng)
+  residue_dtype = np.float64 if grad_dtype == "float64" else np.float32
+  residue = random_array(shape, residue_dtype, rng, scale=0.5)
+  check_per_bin_against_reference(grad, residue, bin_size, max_density,
+                                  truncated=shape == PER_BIN_SHAPE)
+
+
+def test_per_bin_random_values():
+  """A seeded sweep over magnitudes, zeros and residue sizes (a cheap stand-in for a
+  property-based test, on one compiled kernel): every case matches the reference."""
+  rng = np.random.default_rng(77)
+  for _ in range(8):
+    magnitude = 10.0 ** rng.uniform(-6, 3)
+    grad = random_array(PER_BIN_SHAPE, np.float32, rng, scale=magnitude,
+                        zero_fraction=rng.uniform(0, 0.9))
+    residue = random_array(PER_BIN_SHAPE, np.float32, rng,
+                           scale=magnitude * rng.uniform(0, 30))
+    check_per_bin_against_reference(grad, residue, 50)
+
+
+def test_per_bin_error_feedback_over_steps():
+  rng = np.random.default_rng(43)
+  shape = PER_BIN_SHAPE
+  residue = np.zeros(shape, np.float32)
+  for step in range(4):
+    grad = random_array(shape, np.float32, rng, scale=0.1 * (step + 1))
+    p, new_residue, r = check_per_bin_against_reference(grad, residue, 50)
+    dense = adacomp_decompress(p, shape, scale="bin", bin_size=50).numpy()
+    assert_invariant(dense, new_residue, grad, residue, float(r.scales.max()))
+    residue = new_residue
+
+
+def test_per_bin_scale_is_the_bin_maximum():
+  """Each bin's scale is its own max |G|: the maximum element leaves no residue, and a
+  bin of small values is sent at its own small scale (tensor-wide, it would get the
+  mean of all the maxima)."""
+  grad = np.array([4.0, -1.0, 2.0, 0.0,      # bin 0: max 4
+                   0.01, -0.03, 0.02, 0.0],  # bin 1: max 0.03
+                  np.float32)
+  residue = np.zeros_like(grad)
+  p, new_residue, r = check_per_bin_against_reference(grad, residue, 4)
+  dec = ref.unpack_payload_per_bin(p, 8, 4)
+  np.testing.assert_array_equal(dec.scales, np.array([4.0, 0.03], ml_bf16()).astype(np.float32))
+  dense = adacomp_decompress(p, [8], scale="bin", bin_size=4).numpy()
+  assert dense[0] == 4.0 and new_residue[0] == 0.0
+  assert abs(dense[5]) == np.float32(np.array(0.03, ml_bf16()))  # not ~2.0
+  # The same tensor with one scale: bin 1's elements overshoot by ~2 / 0.03 = 67x.
+  _, tensor_residue = compress_np(grad, residue, 4)
+  assert np.abs(tensor_residue.numpy()[4:]).max() > 30 * np.abs(new_residue[4:]).max()
+
+
+def ml_bf16():
+  return ref.BFLOAT16
+
+
+def test_per_bin_residue_smaller_when_bins_differ_in_scale():
+  """Rows 1000x apart in magnitude (LSTM gates, embedding rows): after a few steps the
+  per-bin residue is far smaller than the tensor-scale one, at the same selection."""
+  rng = np.random.default_rng(44)
+  row_scale = np.repeat(10.0 ** np.array([-3.0, 0.0]), 32)[:, None]  # rows 0-31 small
+  norms = {}
+  for scale in ("tensor", "bin"):
+    residue = tf.zeros(PER_BIN_SHAPE)
+    for _ in range(5):
+      grad = tf.constant((rng.standard_normal(PER_BIN_SHAPE) * row_scale).astype(np.float32))
+      _, residue = adacomp_compress(grad, residue, 50, scale=scale)
+    norms[scale] = float(tf.norm(residue[:31]))
+  assert norms["bin"] * 10 < norms["tensor"], norms
+
+
+def test_per_bin_gathered_decode_sums_rows_in_order():
+  rng = np.random.default_rng(45)
+  shape, n, bin_size = PER_BIN_SHAPE, 2112, 50
+  payloads, qs = [], []
+  for density in (0.05, 0.5, 1.0):
+    grad = random_array(shape, np.float32, rng, zero_fraction=1.0 - density)
+    residue = random_array(shape, np.float32, rng, scale=0.3)
+    payload, _ = adacomp_compress(grad, residue, bin_size, scale="bin")
+    nb = int(payload_nbytes(payload))
+    payloads.append(payload.numpy()[:nb // 4])
+    qs.append(ref.reference_compress_per_bin(grad, residue, bin_size).q.astype(np.float32))
+  gathered = ref.pad_rows(payloads)
+  assert len({len(row) for row in payloads}) == 3
+  nbytes = payload_nbytes(tf.constant(gathered)).numpy()
+  assert list(nbytes) == [4 * len(row) for row in payloads]
+  out = adacomp_decompress(tf.constant(gathered), shape, scale="bin", bin_size=bin_size)
+  want = ((np.zeros(n, np.float32) + qs[0]) + qs[1]) + qs[2]
+  np.testing.assert_array_equal(out.numpy().reshape(-1), want)
+
+
+def test_per_bin_eager_and_function_agree():
+  rng = np.random.default_rng(46)
+  grad = tf.constant(random_array(PER_BIN_SHAPE, np.float32, rng))
+  residue = tf.constant(random_array(PER_BIN_SHAPE, np.float32, rng))
+
+  def step(g, r):
+    payload, new_residue = adacomp_compress(g, r, 50, scale="bin")
+    return (payload, new_residue,
+            adacomp_decompress(payload, PER_BIN_SHAPE, scale="bin", bin_size=50),
+            payload_nbytes(payload))
+
+  # (The kernels are XLA-compiled either way; an outer jit_compile is tested above for
+  # the default scale and only costs compile time here.)
+  eager, graph = step(grad, residue), tf.function(step)(grad, residue)
+  for a, b in zip(eager, graph):
+    np.testing.assert_array_equal(bits_of(a.numpy()), bits_of(b.numpy()))
+
+
+@pytest.mark.parametrize("kind", ["nan", "inf", "bfloat16_overflow"])
+def test_per_bin_nonfinite_sends_nothing_and_keeps_the_residue(kind):
+  rng = np.random.default_rng(47)
+  grad = random_array([7, 9], np.float32, rng)
+  residue = random_array([7, 9], np.float32, rng, scale=0.5)
+  if kind == "nan":
+    grad[3, 4] = np.nan
+  elif kind == "inf":
+    grad[0, 0] = -np.inf
+  else:  # finite in float32, rounds up to inf in bfloat16
+    grad[2, 2], residue[2, 2] = np.float32(3.4e38), 0.0
+  payload, new_residue = adacomp_compress(grad, residue, 7, scale="bin")
+  p = payload.numpy()
+  assert p[0] == 0 and np.isnan(p[1:2].view(np.float32)[0])
+  np.testing.assert_array_equal(bits_of(new_residue.numpy()), bits_of(residue))
+  assert np.all(np.isnan(adacomp_decompress(payload, [7, 9], scale="bin", bin_size=7)))
+  assert not ref.reference_compress_per_bin(grad, residue, 7).finite
+
+
+def test_per_bin_and_tensor_payloads_do_not_decode_as_each_other():
+  grad = np.linspace(-1, 1, 2112).astype(np.float32).reshape(PER_BIN_SHAPE)
+  zero = np.zeros_like(grad)
+  per_bin, _ = adacomp_compress(grad, zero, 50, scale="bin")
+  tensor, _ = adacomp_compress(grad, zero, 50)
+  width = payload_words(2112, 1.0, "bin", 50)
+  as_bin = np.pad(tensor.numpy(), [0, max(width - int(tensor.shape[0]), 0)])[:width]
+  assert np.all(np.isnan(adacomp_decompress(as_bin, PER_BIN_SHAPE, scale="bin", bin_size=50)))
+  assert np.all(np.isnan(adacomp_decompress(per_bin, PER_BIN_SHAPE)))
+  # Another bin size (another number of bins): NaN too.
+  assert np.all(np.isnan(adacomp_decompress(per_bin, PER_BIN_SHAPE, scale="bin",
+                                            bin_size=100)))
+
+
+def test_tensor_scale_is_the_default_bit_for_bit():
+  rng = np.random.default_rng(48)
+  grad = random_array([64, 33], np.float32, rng)
+  residue = random_array([64, 33], np.float32, rng)
+  a = adacomp_compress(grad, residue, 50)
+  b = adacomp_compress(grad, residue, 50, scale="tensor")
+  for x, y in zip(a, b):
+    np.testing.assert_array_equal(bits_of(x.numpy()), bits_of(y.numpy()))
+  assert payload_words(2112, 1.0, "tensor") == payload_words(2112)
+  np.testing.assert_array_equal(adacomp_decompress(a[0], [64, 33], scale="tensor").numpy(),
+                                adacomp_decompress(a[0], [64, 33]).numpy())
+
+
+@pytest.mark.parametrize("bad", ["row ", "BIN", "", None, 1])
+def test_bad_scale_is_named(bad):
+  residue = tf.Variable(tf.fill([4], 0.5))
+  _expect(ValueError, lambda: adacomp_compress(tf.ones([4]), residue, 2, scale=bad),
+          "scale", f"scale={bad!r}")
+  np.testing.assert_array_equal(residue.numpy(), np.full(4, 0.5, np.float32))
+  _expect(ValueError, lambda: adacomp_decompress(tf.zeros([8], tf.int32), [4], scale=bad),
+          "scale", f"scale={bad!r}")
+  _expect(ValueError, lambda: payload_words(4, 1.0, bad, 2), "scale", f"scale={bad!r}")
+
+
+def test_per_bin_decode_needs_the_bin_size():
+  _expect(ValueError, lambda: adacomp_decompress(tf.zeros([8], tf.int32), [4], scale="bin"),
+          "bin_size", "bin_size=None")

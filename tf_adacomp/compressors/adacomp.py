@@ -24,14 +24,21 @@ class AdaComp(base.Compressor):
       (the payload's static capacity). Selected elements beyond it stay in the residue
       and go in a later step. Lower is faster to encode; 1.0 never holds any back.
     min_size: tensors with fewer elements are sent dense (uncompressed).
+    scale: "tensor" (default, the published reference implementation's): one scale per
+      tensor, the mean of its bin maxima; "bin": each bin's own maximum |G| as its
+      scale, sent as bfloat16 (2 bytes per bin and 4 bytes of header more per tensor,
+      counted in ``payload_nbytes``; docs/wire_format.md). Finer scales leave less
+      rounding error in the residue where parts of a tensor differ in magnitude (LSTM
+      gates, embedding rows); docs/convergence.md measures what that buys.
 
   Raises:
-    ValueError: a bin size < 1, ``max_density`` outside (0, 1], ``min_size`` < 0.
+    ValueError: a bin size < 1, ``max_density`` outside (0, 1], ``min_size`` < 0,
+      ``scale`` not "tensor" or "bin".
   """
 
   def __init__(self, conv_bin_size: int = 50, dense_bin_size: int = 500,
                recurrent_bin_size: int = 500, bin_sizes=None, max_density: float = 0.25,
-               min_size: int = 0):
+               min_size: int = 0, scale: str = "tensor"):
     super().__init__(min_size=min_size)
     self.conv_bin_size = checks.positive_int(conv_bin_size, "conv_bin_size")
     self.dense_bin_size = checks.positive_int(dense_bin_size, "dense_bin_size")
@@ -43,6 +50,7 @@ class AdaComp(base.Compressor):
     for pattern, size in self.bin_sizes.items():
       checks.positive_int(size, f"bin_sizes[{pattern!r}]")
     self.max_density = checks.fraction(max_density, "max_density")
+    self.scale = adacomp_ops.check_scale(scale, bin_size=1)
 
   def bin_size_for(self, name: str, kind: str) -> int:
     """L_T for a variable: a ``bin_sizes`` override, else its kind's default."""
@@ -64,14 +72,16 @@ class AdaComp(base.Compressor):
   def _compress(self, grad, state, plan):
     (residue,) = state
     payload, residue = adacomp_ops.adacomp_compress(grad, residue, plan.bin_size,
-                                                    self.max_density)
+                                                    self.max_density, scale=self.scale)
     return payload, (residue,)
 
   def _decompress(self, payload, plan):
-    return adacomp_ops.adacomp_decompress(payload, plan.shape, plan.dtype)
+    return adacomp_ops.adacomp_decompress(payload, plan.shape, plan.dtype, scale=self.scale,
+                                          bin_size=plan.bin_size)
 
   def payload_width(self, plan):
-    return adacomp_ops.payload_words(plan.num_elements, self.max_density)
+    return adacomp_ops.payload_words(plan.num_elements, self.max_density, scale=self.scale,
+                                     bin_size=plan.bin_size)
 
   def _payload_nbytes(self, payload, plan):
     return adacomp_ops.payload_nbytes(payload)
@@ -80,7 +90,11 @@ class AdaComp(base.Compressor):
     return {**super().get_config(), "conv_bin_size": self.conv_bin_size,
             "dense_bin_size": self.dense_bin_size,
             "recurrent_bin_size": self.recurrent_bin_size, "bin_sizes": self.bin_sizes,
-            "max_density": self.max_density}
+            "max_density": self.max_density, **self._scale_config()}
+
+  def _scale_config(self):
+    # Only when not the default: configs saved before the option existed stay equal.
+    return {} if self.scale == "tensor" else {"scale": self.scale}
 
 
 def residue_dtype(grad_dtype: tf.DType) -> tf.DType:

@@ -18,6 +18,11 @@ Two choices of this implementation, neither of which changes Q:
 Wire format (docs/wire_format.md): int32 words
 ``[count, scale (float32 bits), bits, packed codes...]`` where each code is
 ``position << 1 | (G < 0)`` in ``bits = index_bits(n) + 1`` bits.
+
+``scale="bin"`` (an option; "tensor" above is the default): every bin has its own scale,
+its maximum ``gmax[b]`` rounded to bfloat16, and ``Q_i = sign(G_i) * scale[bin(i)]``. The
+payload is then ``[count, 0 (NaN: not finite), bits | BIN_SCALE_FLAG, bins,
+ceil(bins / 2) words of bfloat16 scales, packed codes...]``.
 """
 
 import math
@@ -30,6 +35,10 @@ from tf_adacomp.ops import compiled
 from tf_adacomp.ops import compaction
 
 HEADER_WORDS = 3
+# scale="bin": one more header word (the number of bins), then the bins' bfloat16 scales.
+BIN_HEADER_WORDS = 4
+BIN_SCALE_FLAG = 1 << 8  # or-ed into the bits word of a scale="bin" payload
+SCALES = ("tensor", "bin")
 # Smaller encoder tiers, as fractions 1/d of the elements (see _packed_codes).
 SLOT_TIERS = (16,)
 
@@ -46,17 +55,49 @@ def capacity(num_elements: int, max_density: float) -> int:
   return max(1, min(num_elements, math.ceil(max_density * num_elements)))
 
 
-def payload_words(num_elements: int, max_density: float = 1.0) -> int:
-  """Static length in int32 words of the payload for a tensor of ``num_elements``."""
+def num_bins(num_elements: int, bin_size: int) -> int:
+  """Bins of ``bin_size`` elements (the last may be short) in a tensor."""
+  return -(-num_elements // bin_size)
+
+
+def scale_words(num_elements: int, bin_size: int) -> int:
+  """int32 words of a scale="bin" payload's bfloat16 scales (two per word)."""
+  return -(-num_bins(num_elements, bin_size) // 2)
+
+
+def check_scale(scale, bin_size=None) -> str:
+  """Returns ``scale`` if it is one of ``SCALES``, else raises ValueError naming it."""
+  if not isinstance(scale, str) or scale not in SCALES:
+    raise ValueError(f"`scale` must be one of {SCALES}. Received: scale={scale!r}")
+  if scale == "bin" and bin_size is None:
+    raise ValueError("`bin_size` is needed with scale='bin' (it maps positions to bins). "
+                     "Received: bin_size=None")
+  return scale
+
+
+def _header_words(num_elements: int, scale: str, bin_size) -> int:
+  if scale == "bin":
+    return BIN_HEADER_WORDS + scale_words(num_elements, bin_size)
+  return HEADER_WORDS
+
+
+def payload_words(num_elements: int, max_density: float = 1.0, scale: str = "tensor",
+                  bin_size=None) -> int:
+  """Static length in int32 words of the payload for a tensor of ``num_elements``
+  (``bin_size`` is needed, and only used, with ``scale="bin"``)."""
+  check_scale(scale, bin_size)
   bits = index_bits(num_elements) + 1
-  return HEADER_WORDS + bitpack.packed_words(capacity(num_elements, max_density), bits)
+  return (_header_words(num_elements, scale, bin_size)
+          + bitpack.packed_words(capacity(num_elements, max_density), bits))
 
 
 def _compute_dtype(*dtypes):
   return tf.float64 if tf.float64 in dtypes else tf.float32
 
 
-def _compress(grad, residue, bin_size: int, cap: int):
+def _compress(grad, residue, bin_size: int, cap: int, per_bin: bool = False):
+  if per_bin:
+    return _compress_per_bin(grad, residue, bin_size, cap)
   n = grad.shape.num_elements()
   bits = index_bits(n) + 1
   cd = _compute_dtype(grad.dtype, residue.dtype)
@@ -97,6 +138,58 @@ def _compress(grad, residue, bin_size: int, cap: int):
       tf.constant(bits, tf.int32),
   ])
   payload = tf.concat([header, _packed_codes(words, r, dw, cap, total, bits)], axis=0)
+  return payload, tf.reshape(tf.cast(new_residue, residue.dtype), residue.shape)
+
+
+def _compress_per_bin(grad, residue, bin_size: int, cap: int):
+  """scale="bin": as ``_compress``, with each bin's own bfloat16-rounded maximum as its
+  scale."""
+  n = grad.shape.num_elements()
+  bits = index_bits(n) + 1
+  bins = num_bins(n, bin_size)
+  cd = _compute_dtype(grad.dtype, residue.dtype)
+  dw = tf.cast(tf.reshape(grad, [-1]), cd)
+  r = tf.cast(tf.reshape(residue, [-1]), cd)
+  g = r + dw
+  h = g + dw
+
+  gmax = _bin_maxima(tf.where(tf.math.is_nan(g), tf.constant(float("inf"), cd), tf.abs(g)),
+                     bin_size)
+  # The scales on the wire: float32 first (float64 maxima round there, as the tensor
+  # scale does), then bfloat16, round to nearest even both times; the receiver decodes
+  # exactly the Q subtracted here.
+  scales16 = tf.cast(tf.cast(gmax, tf.float32), tf.bfloat16)
+  scales = tf.cast(scales16, cd)
+  # A non-finite G, or a maximum that bfloat16 cannot hold: nothing is sent, R is kept.
+  finite = tf.reduce_all(tf.math.is_finite(scales))
+
+  element = tf.range(n, dtype=tf.int32)
+  element_scale = tf.gather(scales, element // bin_size)
+  # A bin whose scale rounds to 0 would send codes worth nothing: it sends none.
+  selected = ((tf.abs(h) >= tf.gather(gmax, element // bin_size)) & tf.not_equal(g, 0)
+              & (element_scale > 0) & finite)
+  blocks = compaction.blocks_for(n)
+  words = compaction.pack_mask(compaction.to_columns(selected, blocks))
+  total = tf.reduce_sum(compaction.popcount(words))
+  count = tf.minimum(total, cap)
+
+  if cap < n:
+    words = compaction.kept_words(words, cap)
+  sent = tf.reshape(compaction.unpack_mask(words), [-1])[:n]
+  q = tf.where(g < 0, -element_scale, element_scale)
+  new_residue = tf.where(finite, tf.where(sent, g - q, g), r)
+
+  nan = tf.constant(float("nan"), tf.float32)
+  header = tf.stack([
+      count,
+      tf.bitcast(tf.where(finite, tf.zeros([], tf.float32), nan), tf.int32),
+      tf.constant(bits | BIN_SCALE_FLAG, tf.int32),
+      tf.constant(bins, tf.int32),
+  ])
+  scale_body = tf.bitcast(tf.reshape(tf.pad(scales16, [[0, 2 * scale_words(n, bin_size) - bins]]),
+                                     [-1, 2]), tf.int32)
+  payload = tf.concat([header, scale_body, _packed_codes(words, r, dw, cap, total, bits)],
+                      axis=0)
   return payload, tf.reshape(tf.cast(new_residue, residue.dtype), residue.shape)
 
 
@@ -155,7 +248,9 @@ def _mean_as_float32(values):
   return tf.cast(safe_top * tf.reduce_mean(values / safe_top), tf.float32)
 
 
-def _decompress(payload, shape: tf.TensorShape, dtype: tf.DType):
+def _decompress(payload, shape: tf.TensorShape, dtype: tf.DType, bin_size=None):
+  if bin_size is not None:
+    return _decompress_per_bin(payload, shape, dtype, bin_size)
   n = shape.num_elements()
   bits = index_bits(n) + 1
   rows = payload if payload.shape.rank == 2 else payload[None]
@@ -184,13 +279,50 @@ def _decompress(payload, shape: tf.TensorShape, dtype: tf.DType):
   return tf.reshape(tf.cast(total, dtype), shape)
 
 
+def _decompress_per_bin(payload, shape: tf.TensorShape, dtype: tf.DType, bin_size: int):
+  n = shape.num_elements()
+  bits = index_bits(n) + 1
+  bins = num_bins(n, bin_size)
+  start = BIN_HEADER_WORDS + scale_words(n, bin_size)
+  rows = payload if payload.shape.rank == 2 else payload[None]
+  width = int(rows.shape[1])
+  cap = max(width - start, 0) * 32 // bits
+  cd = _compute_dtype(dtype)
+  total = tf.zeros([n], cd)
+  slots = tf.range(cap, dtype=tf.int32)
+  for row in range(int(rows.shape[0])):  # replica order, as in _decompress
+    count, marker = rows[row, 0], tf.bitcast(rows[row, 1], tf.float32)
+    scales = tf.cast(tf.reshape(tf.bitcast(rows[row, BIN_HEADER_WORDS:start], tf.bfloat16),
+                                [-1])[:bins], cd)
+    codes = bitpack.unpack(tf.bitcast(rows[row, start:], tf.uint32), cap, bits)
+    positions = tf.cast(tf.bitwise.right_shift(codes, 1), tf.int32)
+    negative = tf.bitwise.bitwise_and(codes, 1) > 0
+    valid = (slots < count) & (positions < n)
+    magnitude = tf.gather(scales, tf.where(valid, positions, 0) // bin_size)
+    values = tf.where(negative, -magnitude, magnitude)
+    dense = tf.scatter_nd(tf.where(valid, positions, n)[:, None],
+                          tf.where(valid, values, tf.zeros_like(values)), [n + 1])[:n]
+    bad = ((rows[row, 2] != (bits | BIN_SCALE_FLAG)) | (rows[row, 3] != bins)
+           | (count < 0) | (count > cap) | tf.logical_not(tf.math.is_finite(marker)))
+    total += tf.where(bad, tf.constant(float("nan"), cd), dense)
+  return tf.reshape(tf.cast(total, dtype), shape)
+
+
 def _nbytes(payload):
   rows = tf.cast(payload, tf.int64)
   count, bits = rows[..., 0], rows[..., 2]
-  return 4 * (HEADER_WORDS + (count * bits + 31) // 32)
+  tensor_scale = 4 * (HEADER_WORDS + (count * bits + 31) // 32)
+  if int(payload.shape[-1]) < BIN_HEADER_WORDS:
+    return tensor_scale
+  # scale="bin" payloads say so in their bits word, and carry their number of bins.
+  bins = rows[..., 3]
+  per_bin = 4 * (BIN_HEADER_WORDS + (bins + 1) // 2
+                 + (count * (bits % BIN_SCALE_FLAG) + 31) // 32)
+  return tf.where(tf.bitwise.bitwise_and(bits, BIN_SCALE_FLAG) > 0, per_bin, tensor_scale)
 
 
-def adacomp_compress(grad, residue, bin_size: int, max_density: float = 1.0):
+def adacomp_compress(grad, residue, bin_size: int, max_density: float = 1.0,
+                     scale: str = "tensor"):
   """Compresses ``grad`` with AdaComp, carrying the error in ``residue``.
 
   Runs eagerly, in graph mode and inside ``strategy.run``; always XLA-compiled (one
@@ -204,10 +336,14 @@ def adacomp_compress(grad, residue, bin_size: int, max_density: float = 1.0):
     max_density: fraction in (0, 1] of the elements one payload can carry; the payload
       has a static size. Selected elements beyond it stay in the residue. 1.0 (the
       default) never drops anything from the payload.
+    scale: "tensor" (default): one scale per tensor, the mean of the bin maxima;
+      "bin": each bin's own maximum, rounded to bfloat16, sent in the payload
+      (2 bytes per bin more; see docs/wire_format.md).
 
   Returns:
     ``(payload, new_residue)``: a 1-D int32 payload in the wire format of
-    docs/wire_format.md (static length ``payload_words(n, max_density)``; only
+    docs/wire_format.md (static length ``payload_words(n, max_density, scale,
+    bin_size)``; only
     ``payload_nbytes(payload)`` bytes of it need to be sent), and the new residue with
     the dtype and shape of ``residue``. If ``grad + residue`` has a non-finite element,
     nothing is selected, the residue is returned unchanged and the payload is marked so
@@ -216,18 +352,21 @@ def adacomp_compress(grad, residue, bin_size: int, max_density: float = 1.0):
   Raises:
     TypeError: ``grad`` or ``residue`` is not a float tensor.
     ValueError: shapes differ or are not static, ``bin_size`` < 1, ``max_density``
-      outside (0, 1].
+      outside (0, 1], ``scale`` not one of ``SCALES``.
   """
   grad = checks.float_tensor(grad, "grad")
   residue = checks.float_tensor(residue, "residue")
   checks.same_shape(grad, residue, "grad", "residue")
   bin_size = checks.positive_int(bin_size, "bin_size")
   max_density = checks.fraction(max_density, "max_density")
+  check_scale(scale, bin_size)
   cap = capacity(grad.shape.num_elements(), max_density)
+  if scale == "bin":
+    return compiled.kernel(_compress, bin_size=bin_size, cap=cap, per_bin=True)(grad, residue)
   return compiled.kernel(_compress, bin_size=bin_size, cap=cap)(grad, residue)
 
 
-def adacomp_decompress(payload, shape, dtype=tf.float32):
+def adacomp_decompress(payload, shape, dtype=tf.float32, scale="tensor", bin_size=None):
   """Decodes AdaComp payloads into a dense tensor.
 
   Args:
@@ -236,6 +375,8 @@ def adacomp_decompress(payload, shape, dtype=tf.float32):
       its used words).
     shape: static shape of the gradient.
     dtype: float dtype of the result.
+    scale: the ``scale`` the payloads were compressed with ("tensor" or "bin").
+    bin_size: with ``scale="bin"``, the bin length they were compressed with.
 
   Returns:
     A dense tensor of ``shape`` and ``dtype``: the ternary gradient of the payload, or
@@ -246,19 +387,31 @@ def adacomp_decompress(payload, shape, dtype=tf.float32):
   Raises:
     TypeError: ``payload`` is not int32 or ``dtype`` is not a float type.
     ValueError: ``payload`` is not rank 1 or 2 with a static shape, is shorter than a
-      header, or ``shape`` is not fully defined.
+      header, ``shape`` is not fully defined, ``scale`` is not one of ``SCALES`` or
+      ``bin_size`` is missing for "bin".
   """
   payload = checks.payload_tensor(payload)
   shape = checks.static_shape(shape, "shape")
   dtype = checks.float_dtype(dtype, "dtype")
-  if payload.shape[-1] < HEADER_WORDS:
-    raise ValueError(f"`payload` must hold at least the {HEADER_WORDS}-word header. "
+  check_scale(scale, bin_size)
+  if scale == "bin":
+    bin_size = checks.positive_int(bin_size, "bin_size")
+    header = _header_words(shape.num_elements(), scale, bin_size)
+  else:
+    bin_size, header = None, HEADER_WORDS
+  if payload.shape[-1] < header:
+    raise ValueError(f"`payload` must hold at least the {header}-word header. "
                      f"Received: payload with shape {payload.shape}")
-  return compiled.kernel(_decompress, shape=shape, dtype=dtype)(payload)
+  if bin_size is None:
+    return compiled.kernel(_decompress, shape=shape, dtype=dtype)(payload)
+  return compiled.kernel(_decompress, shape=shape, dtype=dtype, bin_size=bin_size)(payload)
 
 
 def payload_nbytes(payload):
-  """Bytes that a payload occupies on the wire: header and used packed words.
+  """Bytes that a payload occupies on the wire: header, scales and used packed words.
+
+  Self-describing: a scale="bin" payload carries its flag and number of bins, so its
+  ``4 * (4 + ceil(bins / 2))`` bytes of header and bfloat16 scales are counted too.
 
   Args:
     payload: int32 ``[words]`` or gathered ``[replicas, words]`` AdaComp payload.
