@@ -276,9 +276,10 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     slots = _first_moment_slots(self.inner_optimizer)
     targets, values = [], []
     for variable, old, delta, new in zip(variables, old_states, deltas, new_states):
-      if delta is None or not old:
+      position = None if delta is None else _residue_position(old, delta.shape)
+      if position is None:
         continue
-      residue, new_residue = old[0], new[0]
+      residue, new_residue = old[position], new[position]
       held = residue + tf.cast(delta, residue.dtype)  # G of the compressor
       sent = tf.logical_and(masked_step, tf.not_equal(held, new_residue))
       slot = slots[self.inner_optimizer._get_variable_index(variable)]  # pylint: disable=protected-access
@@ -456,10 +457,19 @@ def _check_momentum_masking(momentum_masking, exchange, inner_optimizer, compres
                      "first moment: SGD with momentum > 0, Adam or AdamW. Received: "
                      f"momentum_masking=True, inner_optimizer={inner_optimizer!r}")
   probe = compressor.plan([max(compressor.min_size, 4096)], "float32")
-  if not compressor.state_specs(probe):
+  if _residue_position(compressor.state_specs(probe), probe.shape) is None:
     raise ValueError("`momentum_masking=True` needs a compressor with a residue (error "
                      "feedback): with this one every element is sent every step. "
                      f"Received: momentum_masking=True, compressor={compressor!r}")
+
+
+def _residue_position(state, shape):
+  """Where in a compressor state (tensors or specs) the residue is: the first floating
+  entry of the gradient's shape; None if there is none (stateless, or a dense plan)."""
+  for position, entry in enumerate(state):
+    if entry.dtype.is_floating and entry.shape == shape:
+      return position
+  return None
 
 
 def _has_first_moment(optimizer):
