@@ -129,7 +129,7 @@ def test_labels_and_requirements_resolve():
   requirements = {re.split(r"[=<>]", line)[0].strip().lower()
                   for line in (ROOT / "requirements.txt").read_text().splitlines()
                   if line.strip() and not line.startswith("#")}
-  setup = (ROOT / "setup.py").read_text()
+  setup = (ROOT / "pyproject.toml").read_text()
   for name, target in TARGETS.items():
     for dep in target.get("deps", []):
       if dep.startswith(":"):
@@ -138,7 +138,7 @@ def test_labels_and_requirements_resolve():
         package = dep.removeprefix("@pip//")
         assert package in requirements, f"{name}: {package} not in requirements.txt"
         assert f'"{package}' in setup or package in ("ml-dtypes",), (
-            f"{name}: {package} not declared in setup.py")
+            f"{name}: {package} not declared in pyproject.toml")
 
 
 def test_examples_and_tests_have_targets():

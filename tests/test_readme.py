@@ -34,7 +34,7 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_console_script_is_declared():
-  assert "tf-adacomp=tf_adacomp.cli:main" in (ROOT / "setup.py").read_text()
+  assert 'tf-adacomp = "tf_adacomp.cli:main"' in (ROOT / "pyproject.toml").read_text()
 
 
 @pytest.mark.parametrize("index", range(len(_python_snippets())))

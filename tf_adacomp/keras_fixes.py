@@ -71,12 +71,14 @@ correct whether or not the bug is present.
 
 import functools
 import inspect
+import logging
 import re
 import threading
 from typing import Callable, Dict, Tuple
 
 __all__ = [
     "apply_keras_multi_worker_fix",
+    "apply_keras_multi_worker_fix_for",
     "keras_multi_worker_fix_applied",
     "keras_multi_worker_fix_needed",
     "revert_keras_multi_worker_fix",
@@ -248,6 +250,38 @@ def apply_keras_multi_worker_fix() -> Tuple[str, ...]:
     The names of the patches now installed (empty when none is needed).
   """
   return _apply(PATCHES)
+
+
+def apply_keras_multi_worker_fix_for(strategy) -> Tuple[str, ...]:
+  """Applies the fix when ``strategy`` is a ``MultiWorkerMirroredStrategy``; else nothing.
+
+  ``CompressedOptimizer`` calls this when it is created and when it is built, so that
+  the standard ``tf.distribute.MultiWorkerMirroredStrategy()`` trains with ``model.fit``
+  with no call from the user. The first call that installs a patch logs one line
+  (logger ``tf_adacomp``) naming what was patched; later calls are silent no-ops.
+
+  Args:
+    strategy: any ``tf.distribute.Strategy`` (or None).
+
+  Returns:
+    The names of the patches newly installed by this call (usually empty).
+  """
+  if not _is_multi_worker_mirrored(strategy):
+    return ()
+  with _LOCK:
+    before = set(_ORIGINALS)
+  installed = _apply(PATCHES)
+  new = tuple(name for name in installed if name not in before)
+  if new:
+    logging.getLogger("tf_adacomp").warning(
+        "tf_adacomp: patched Keras %s for model.fit under MultiWorkerMirroredStrategy "
+        "(keras-team/keras#20585): %s.", _keras_version_string(), ", ".join(new))
+  return new
+
+
+def _keras_version_string() -> str:
+  import keras  # pylint: disable=g-import-not-at-top
+  return str(keras.__version__)
 
 
 def keras_multi_worker_fix_applied() -> bool:
