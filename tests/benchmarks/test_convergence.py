@@ -1,0 +1,43 @@
+"""benchmarks/convergence.py runs end to end (tiny, synthetic) and writes what it says."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import benchmark_scripts
+
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+SCRIPT = os.path.join(benchmark_scripts.BENCHMARKS_DIR, "convergence.py")
+
+
+def _run(*flags, timeout=600):
+  return subprocess.run([sys.executable, SCRIPT, *flags], capture_output=True, text=True,
+                        env=ENV, timeout=timeout, check=False)
+
+
+def test_smoke_dense_and_per_bin_adacomp_two_seeds(tmp_path):
+  result = _run("--smoke", "--synthetic", "--models=mlp", "--variants=none,adacomp-bin",
+                "--seeds=0,1", f"--json={tmp_path / 'c.json'}", f"--plot={tmp_path / 'c.png'}")
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  assert "gap pts" in result.stdout and "targets, adacomp-bin" in result.stdout
+  out = json.loads((tmp_path / "c.json").read_text())
+  rows = out["models"]["mlp"]["rows"]
+  assert set(rows) == {"none", "adacomp-bin"}
+  assert rows["none"]["gap_points"] == 0.0 and rows["none"]["seeds"] == [0, 1]
+  assert rows["adacomp-bin"]["compression"]["dense"] > 5  # scales counted, still compact
+  runs = out["models"]["mlp"]["runs"]["adacomp-bin"]
+  assert [step for step, _ in runs[0]["curve"]] == [2, 4]
+  assert (tmp_path / "c.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--models=vgg"], "models='vgg'"),
+    (["--variants=adacomp,topk"], "variants='adacomp,topk'"),
+    (["--steps=mlp=0"], "steps={'mlp': 0}"),
+])
+def test_bad_arguments_are_named(flags, named):
+  result = _run(*flags, timeout=120)
+  assert result.returncode == 2 and named in result.stderr, result.stderr
