@@ -2,8 +2,11 @@
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
+
+from tf_adacomp import quiet
 
 SMOKE = ["--synthetic", "--epochs=1", "--steps_per_epoch=3", "--eval_steps=1",
          "--batch_size=8"]
@@ -48,3 +51,49 @@ def test_demo_prints_both_summaries_side_by_side(tmp_path):
   assert table.splitlines()[1].split() == ["compressor", "adacomp", "none"]
   for name in ("adacomp", "none"):
     assert json.loads((tmp_path / name / "summary.json").read_text())["compressor"] == name
+  figure = tmp_path / "demo.png"
+  assert figure.read_bytes().startswith(b"\x89PNG") and str(figure) in result.stdout
+
+
+START_UP_LINES = [  # as TensorFlow 2.21 prints them on a CPU-only machine
+    "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+    "I0000 00:00:1795426589.056564    3750 cudart_stub.cc:31] Could not find cuda drivers on "
+    "your machine, GPU will not be used.",
+    "I0000 00:00:1795426589.124574    3750 cpu_feature_guard.cc:227] This TensorFlow binary "
+    "is optimized to use available CPU instructions in performance-critical operations.",
+    "To enable the following instructions: AVX2 FMA, in other operations, rebuild "
+    "TensorFlow with the appropriate compiler flags.",
+    "E0000 00:00:1795426600.520586    3773 cuda_platform.cc:52] failed call to cuInit: "
+    "INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)",
+    "W0000 00:00:1795426602.955967    3773 dataset.cc:997] Input of GeneratorDatasetOp::"
+    "Dataset will not be optimized because the dataset does not implement the "
+    "AsGraphDefInternal() method needed to apply optimizations.",
+]
+KEPT_LINES = [
+    "E0000 00:00:1795426600.520586    3773 collective_ops.cc:52] Collective timed out",
+    "Traceback (most recent call last):",
+    "ValueError: `batch_size` must be a multiple of --replicas. Received: batch_size=7",
+    "WARNING:tensorflow:5 out of the last 5 calls to <function> triggered tf.function "
+    "retracing.",
+]
+
+
+def test_start_up_noise_is_told_from_what_matters():
+  assert all(quiet.is_start_up_noise(line) for line in START_UP_LINES)
+  assert not any(quiet.is_start_up_noise(line) for line in KEPT_LINES)
+
+
+def test_the_command_is_quiet_unless_verbose(tmp_path):
+  """The console script as a user runs it: no TF_CPP_MIN_LOG_LEVEL in the environment."""
+  script = pathlib.Path(sys.executable).parent / "tf-adacomp"
+  env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+  result = subprocess.run([script, "train", "fashion_mnist", "--replicas=2", "--verbose=1",
+                           f"--model_dir={tmp_path}", *SMOKE], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  noise = [line for line in result.stderr.splitlines() if quiet.is_start_up_noise(line)]
+  assert not noise, noise
+  assert "3/3" in result.stdout  # Keras' progress bar stays
+  assert quiet.wants_verbose(["--verbose", "train", "fashion_mnist"])
+  assert not quiet.wants_verbose(["train", "fashion_mnist", "--verbose=1"]) or (
+      "TF_CPP_MIN_LOG_LEVEL" in os.environ)

@@ -28,9 +28,14 @@ def test_readme_opens_with_two_setup_commands():
   assert "pytest tests" in commands[1]
 
 
-def test_ci_runs_the_readme_test_command():
-  ci = (ROOT / ".ci" / "run").read_text()
-  assert _setup_commands()[1] in ci.splitlines()
+def test_ci_runs_both_readme_commands_in_order():
+  """CI runs the first command (the main job), then the second (the tests), verbatim."""
+  lines = (ROOT / ".ci" / "run").read_text().splitlines()
+  first, second = _setup_commands()
+  assert first in lines and second in lines
+  assert lines.index(first) < lines.index(second)
+  commands = [line for line in lines if line.strip() and not line.lstrip().startswith(("#", "set ", "cd "))]
+  assert commands == [first, second], "CI runs something besides the README's commands"
 
 
 def test_console_script_is_declared():

@@ -16,11 +16,11 @@ Public API (a flat list, as in Keras and optax):
   ``payload_nbytes``, ``fft_compress``, ``fft_decompress``, ``adasum_reduce``).
 """
 
-from tf_adacomp import cli as _cli
+from tf_adacomp import quiet as _quiet
 
 # The `tf-adacomp` command hides TensorFlow's start-up lines; in its own process this
-# first import of TensorFlow is the one place to do so (see cli.py). Elsewhere: a no-op.
-with _cli.quiet_tensorflow_import():
+# first import of TensorFlow is the one place to do so (quiet.py). Elsewhere: a no-op.
+with _quiet.quiet_tensorflow_import():
   import tensorflow as _tensorflow  # pylint: disable=unused-import
 
 from tf_adacomp import distribute
