@@ -27,8 +27,7 @@ EXAMPLES = ("fashion_mnist", "cifar10_resnet", "cifar10_resist", "imagenet_resne
             "shakespeare_lstm")
 
 
-# --- Commands ------------------------------------------------------------------------
-
+_HELP_FLAGS = {"--help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml"}  # absl's
 
 def _train(name, flags, quiet) -> int:
   # Exactly `python -m tf_adacomp.examples.<name> <flags>`: absl then shows that
@@ -38,9 +37,6 @@ def _train(name, flags, quiet) -> int:
   if code == 1 and _HELP_FLAGS.intersection(flags):
     return 0  # absl exits 1 after printing help; asking for help is not a failure
   return code
-
-
-_HELP_FLAGS = {"--help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml"}
 
 
 def _demo(args, extra_flags, quiet) -> int:
