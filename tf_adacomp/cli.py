@@ -25,9 +25,8 @@ from tf_adacomp import quiet as quiet_start_up
 
 EXAMPLES = ("fashion_mnist", "cifar10_resnet", "cifar10_resist", "imagenet_resnet50",
             "shakespeare_lstm")
-
-
 _HELP_FLAGS = {"--help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml"}  # absl's
+
 
 def _train(name, flags, quiet) -> int:
   # Exactly `python -m tf_adacomp.examples.<name> <flags>`: absl then shows that
