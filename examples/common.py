@@ -33,7 +33,8 @@ EXCHANGES = ("optimizer", "cross_device_ops")
 REDUCTIONS = ("sum", "adasum")  # tf_adacomp.collectives.REDUCTIONS (test_common checks)
 ADASUM_MODES = ("gradient", "delta")  # tf_adacomp.optimizer.ADASUM_MODES
 OPTIMIZER_EXCHANGES = ("gradients", "updates")  # tf_adacomp.optimizer.EXCHANGES
-DEFAULT_OPTIMIZER_EXCHANGE = "gradients"  # tf_adacomp.optimizer.DEFAULT_EXCHANGE
+# tf_adacomp.optimizer.DEFAULT_EXCHANGE: the exchange of each reduction when unset.
+DEFAULT_OPTIMIZER_EXCHANGE = {"sum": "updates", "adasum": "gradients"}
 LR_SCHEDULES = ("constant", "cosine", "step", "legw")
 OPTIMIZERS = ("sgd", "adam")
 # Kept in step with tf_adacomp.available_compressors() by tests/examples/test_common.py
@@ -219,7 +220,8 @@ def validate(config: Config):
   need(config.momentum_masking in (True, False), "momentum_masking", "True or False")
   if config.momentum_masking:
     exchange = config.optimizer_exchange or (
-        "updates" if config.adasum_mode == "delta" else DEFAULT_OPTIMIZER_EXCHANGE)
+        "updates" if config.adasum_mode == "delta"
+        else DEFAULT_OPTIMIZER_EXCHANGE.get(config.reduction))
     need(config.exchange == "optimizer" and exchange == "updates", "momentum_masking",
          "False unless --exchange=optimizer exchanges updates (--optimizer_exchange="
          "updates or --adasum_mode=delta)")

@@ -312,6 +312,10 @@ def test_keras_momentum_slots_are_where_masking_reads_them(make):
 
 
 def test_config_round_trip_and_the_adasum_mode_synonym():
+  # The defaults: local-optimizer updates when summing, Adasum of gradients for Adasum.
+  assert tf_adacomp.CompressedOptimizer(keras.optimizers.SGD(LR)).exchange == "updates"
+  assert tf_adacomp.CompressedOptimizer(keras.optimizers.SGD(LR),
+                                        reduction="adasum").exchange == "gradients"
   optimizer = tf_adacomp.CompressedOptimizer(
       keras.optimizers.Adam(0.01), tf_adacomp.TopK(0.05), exchange="updates",
       momentum_masking=True, local_clipnorm=2.5)

@@ -18,6 +18,8 @@ def test_the_flags_reach_the_optimizer():
   assert isinstance(common.make_optimizer(config, 10), tf_adacomp.CompressedOptimizer)
   config = common.make_config(fashion_mnist, reduction="adasum", adasum_mode="delta")
   assert common.make_optimizer(config, 10).exchange == "updates"
+  config = common.make_config(fashion_mnist, momentum_masking=True)  # the default exchange
+  assert common.make_optimizer(config, 10).exchange == "updates"
   assert common.OPTIMIZER_EXCHANGES == tf_adacomp.optimizer.EXCHANGES
   assert common.DEFAULT_OPTIMIZER_EXCHANGE == tf_adacomp.optimizer.DEFAULT_EXCHANGE
 
@@ -29,6 +31,7 @@ def test_the_flags_reach_the_optimizer():
     ({"optimizer_exchange": "updates", "exchange": "cross_device_ops"},
      "optimizer_exchange='updates'"),
     ({"momentum_masking": True, "optimizer_exchange": "gradients"}, "momentum_masking=True"),
+    ({"momentum_masking": True, "reduction": "adasum"}, "momentum_masking=True"),
     ({"local_clipnorm": -1.0}, "local_clipnorm=-1.0"),
     ({"local_clipnorm": 1.0, "exchange": "cross_device_ops"}, "local_clipnorm=1.0"),
 ])
