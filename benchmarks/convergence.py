@@ -20,7 +20,10 @@ updates compressed), ``adacomp+updates+masking`` (and ``momentum_masking=True``)
 ``adacomp-bin+updates``. A variant whose ``CompressedOptimizer`` option does not exist in
 this version of the library is skipped with a note.
 
-    python benchmarks/convergence.py                      # every model; ~25 min, 2 cores
+    python benchmarks/convergence.py                      # every model (hours on 2 cores)
+    python benchmarks/convergence.py --models=mlp,cnn,lstm --seeds=0,1 \
+        --variants=none,adacomp,adacomp-bin,adacomp+updates,adacomp+updates+masking \
+        --steps=mlp=200,cnn=200,lstm=100 --width=512 --eval_every=20   # docs/convergence.md
     python benchmarks/convergence.py --models=mlp --variants=none,adacomp --seeds=0,1,2
     python benchmarks/convergence.py --smoke --synthetic  # seconds: plumbing only
 
@@ -402,9 +405,10 @@ def main(argv=None):
             f"{k}: {'met' if ok else 'NOT met'}" for k, ok in v.items()))
     result["models"][model] = {"settings": s, "rows": rows, "targets": verdicts,
                                "runs": runs}
-  report.write_json(args.json, result)
-  if result["models"]:
+    # After every model, so that a long run that is stopped keeps what it measured.
+    report.write_json(args.json, result)
     plot(args.plot, result["models"])
+  report.write_json(args.json, result)
   return result
 
 
