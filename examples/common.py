@@ -603,8 +603,10 @@ def plot_summaries(summaries, path) -> str:
   sent.axhline(summaries[0]["dense_bytes_per_step"], color="gray", linestyle="--",
                label="dense float32")
   sent.set_yscale("log")
+  smallest = min(s["bytes_sent_per_step"] for s in summaries)
+  sent.set_ylim(max(smallest, 1) / 10, summaries[0]["dense_bytes_per_step"] * 10)
   sent.set_title("bytes sent per replica per step")
-  sent.legend(loc="lower left")
+  sent.legend(loc="upper left")
   figure.suptitle(f"{summaries[0]['example']}: {summaries[0]['replicas']} replicas, "
                   f"{summaries[0]['steps']} steps")
   figure.tight_layout()
