@@ -289,6 +289,24 @@ def test_one_replica_update_exchange_is_the_plain_optimizer():
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+def test_update_exchange_trains_an_embedding_under_mirrored_strategy():
+  """An Embedding's gradient is IndexedSlices: the default (update) exchange takes it."""
+  strategy = tf.distribute.MirroredStrategy(DEVICES[:2])
+  tokens = np.random.default_rng(0).integers(0, 20, size=(16, 4)).astype(np.int32)
+  labels = (tokens.sum(axis=1) % 2).astype(np.int32)
+  with strategy.scope():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input([4], dtype="int32"), keras.layers.Embedding(20, 8),
+                              keras.layers.Flatten(), keras.layers.Dense(2)])
+    model.compile(optimizer=tf_adacomp.CompressedOptimizer(keras.optimizers.SGD(0.1)),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  before = model.get_weights()[0].copy()
+  history = model.fit(tokens, labels, batch_size=8, epochs=1, verbose=0, shuffle=False)
+  assert np.isfinite(history.history["loss"]).all()
+  assert model.optimizer.exchange == "updates"
+  assert not np.array_equal(before, model.get_weights()[0])  # the embedding trained
+
+
 # --- Keras internals, configuration, arguments --------------------------------------
 
 

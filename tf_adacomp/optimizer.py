@@ -245,7 +245,9 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     or Adasum (``"adasum"``) of the replicas' compressed weight updates."""
     ctx = tf.distribute.get_replica_context()
     replicas = ctx.num_replicas_in_sync
-    own = [None if g is None else g * replicas for g in grads]  # this replica's mean gradient
+    # This replica's mean gradient; an Embedding's IndexedSlices are made dense, as the
+    # update they produce is compressed densely anyway.
+    own = [None if g is None else tf.convert_to_tensor(g) * replicas for g in grads]
     if self.local_clipnorm is not None:
       own = _clip_by_global_norm(own, self.local_clipnorm)
     # Every replica must take the same branch: step only if all gradients are finite.
