@@ -82,7 +82,16 @@ def quiet_tensorflow_import():
 
 
 def run(command, quiet) -> int:
-  """Runs ``command``; when ``quiet``, its stderr passes through the start-up filter."""
+  """Runs ``command`` as a child process and waits for it.
+
+  Args:
+    command: the argument list (``[sys.executable, "-m", ...]``).
+    quiet: True: the child gets ``TF_CPP_MIN_LOG_LEVEL=2`` and its stderr passes through
+      ``is_start_up_noise``; False: it runs untouched.
+
+  Returns:
+    The child's exit status.
+  """
   if not quiet:
     return subprocess.run(command, check=False).returncode
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
