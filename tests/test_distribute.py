@@ -25,15 +25,6 @@ KERAS_FIT_WORKER = WORKERS_DIR / "keras_fit.py"
 NUM_WORKERS = 2
 
 
-@pytest.fixture
-def unpatched_keras():
-  """Keras as installed for the test, and as it was again afterwards."""
-  was_applied = keras_fixes.keras_multi_worker_fix_applied()
-  keras_fixes.revert_keras_multi_worker_fix()
-  yield
-  keras_fixes.revert_keras_multi_worker_fix()
-  if was_applied:
-    keras_fixes.apply_keras_multi_worker_fix()
 
 
 # ---------------------------------------------------------------------------------------

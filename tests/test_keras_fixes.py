@@ -5,7 +5,6 @@ import logging
 
 import keras
 import numpy as np
-import pytest
 import tensorflow as tf
 
 import tf_adacomp
@@ -15,31 +14,20 @@ from multi_worker import run_workers
 from tf_adacomp import keras_fixes
 
 
-@pytest.fixture
-def unpatched():
-  """Keras as it was before the test, whatever the test installs."""
-  was_applied = keras_fixes.keras_multi_worker_fix_applied()
-  keras_fixes.revert_keras_multi_worker_fix()
-  yield
-  keras_fixes.revert_keras_multi_worker_fix()
-  if was_applied:
-    keras_fixes.apply_keras_multi_worker_fix()
-
-
 def _bare_multi_worker_strategy():
   """An instance that is a MultiWorkerMirroredStrategy, without starting a cluster."""
   cls = tf.distribute.MultiWorkerMirroredStrategy
   return cls.__new__(cls)
 
 
-def test_other_strategies_leave_keras_alone(unpatched):
+def test_other_strategies_leave_keras_alone(unpatched_keras):
   assert keras_fixes.apply_keras_multi_worker_fix_for(tf.distribute.get_strategy()) == ()
   assert keras_fixes.apply_keras_multi_worker_fix_for(None) == ()
   tf_adacomp.CompressedOptimizer(keras.optimizers.SGD(0.1))
   assert not keras_fixes.keras_multi_worker_fix_applied()
 
 
-def test_a_multi_worker_strategy_installs_the_fix_once_with_one_log_line(unpatched, caplog):
+def test_a_multi_worker_strategy_installs_the_fix_once_with_one_log_line(unpatched_keras, caplog):
   needed = keras_fixes.keras_multi_worker_fix_needed()
   strategy = _bare_multi_worker_strategy()
   with caplog.at_level(logging.INFO, logger="tf_adacomp"):
