@@ -90,15 +90,31 @@ def target_accuracy(args, model):
   return args.target_accuracy
 
 
-def worker_argv(args, model, compressor, out, alone=False, topk_density=None):
+def split_variant(variant):
+  """``"adacomp+updates"`` -> ``("adacomp", "updates")``; ``"adacomp"`` -> ``("adacomp", None)``.
+
+  The suffix picks ``CompressedOptimizer``'s exchange (None: the library's default), so
+  that one run can time the old default (``+gradients``) beside the new (``+updates``).
+  """
+  compressor, _, exchange = variant.partition("+")
+  if exchange not in ("", "gradients", "updates"):
+    raise ValueError("a compressor's suffix is +gradients or +updates. "
+                     f"Received: compressor={variant!r}")
+  return compressor, exchange or None
+
+
+def worker_argv(args, model, variant, out, alone=False, topk_density=None):
   """The command line of one network_worker.py process."""
   settings = MODEL_SETTINGS[model]
+  compressor, exchange = split_variant(variant)
   argv = [sys.executable, os.path.join(HERE, "network_worker.py"), f"--model={model}",
           f"--compressor={compressor}", f"--batch_size={args.batch_size}",
           f"--width={args.width}", f"--learning_rate={settings['learning_rate']}",
           f"--max_steps={args.max_steps or settings['max_steps']}",
           f"--target_accuracy={target_accuracy(args, model)}",
           f"--eval_every={args.eval_every}", f"--threads={args.threads}", f"--out={out}"]
+  if exchange:
+    argv.append(f"--optimizer_exchange={exchange}")
   if topk_density:
     argv.append(f"--topk_density={topk_density:.6g}")
   if alone:
@@ -145,7 +161,7 @@ def cluster_run(args, net, model, compressor, work, topk_density=None):
     return {"compressor": compressor, "failed": True, "return_codes": codes,
             "wall_seconds": wall}
   run = _read_json(outs[0])
-  run.update(wall_seconds=wall, topk_density=topk_density)
+  run.update(compressor=compressor, wall_seconds=wall, topk_density=topk_density)
   return run
 
 
@@ -182,15 +198,15 @@ def summarize(model, rate, run, dense, floor, target):
 
 
 def print_rows(rows):
-  print(f"\n{'model':<9}{'link':>8}{'compressor':>11}{'ms/step':>10}{'speed-up':>10}"
+  print(f"\n{'model':<9}{'link':>8}{'compressor':>18}{'ms/step':>10}{'speed-up':>10}"
         f"{'/floor':>8}{'bytes/step':>13}{'steps':>7}{'accuracy':>10}{'to target s':>13}")
   for r in rows:
     if r.get("failed"):
-      print(f"{r['model']:<9}{r['rate']:>8}{r['compressor']:>11}   FAILED")
+      print(f"{r['model']:<9}{r['rate']:>8}{r['compressor']:>18}   FAILED")
       continue
     speed = f"{r['speed_up_over_dense']:.2f}x" if r["speed_up_over_dense"] else "-"
     tta = r["time_to_accuracy_seconds"]
-    print(f"{r['model']:<9}{r['rate']:>8}{r['compressor']:>11}"
+    print(f"{r['model']:<9}{r['rate']:>8}{r['compressor']:>18}"
           f"{1e3 * r['median_step_seconds']:>10.1f}{speed:>10}"
           f"{r['ratio_to_compute_only']:>7.2f}x{r['bytes_sent_per_step']:>13,.0f}"
           f"{r['steps']:>7}{r['final_accuracy'] or 0:>10.4f}"
@@ -236,8 +252,10 @@ def main(argv=None):
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--models", default="mlp,resnet20")
   parser.add_argument("--rates", default="100mbit,1gbit", help="tc rates, comma-separated")
-  parser.add_argument("--compressors", default="none,adacomp,topk,fft,fp16",
-                      help="topk runs at AdaComp's measured density (adacomp before it)")
+  parser.add_argument("--compressors", default="none,bf16,adacomp,topk,fft,fp16",
+                      help="topk runs at AdaComp's measured density (adacomp before it); "
+                      "a suffix +gradients or +updates picks CompressedOptimizer's exchange "
+                      "(e.g. adacomp+gradients,adacomp+updates)")
   parser.add_argument("--workers", type=int, default=2)
   parser.add_argument("--batch_size", type=int, default=64, help="per worker")
   parser.add_argument("--width", type=int, default=2048, help="the MLP's hidden width")
@@ -268,6 +286,11 @@ def main(argv=None):
   order_error = report.topk_order_error(compressors)
   if order_error:
     parser.error(order_error)
+  for variant in compressors:
+    try:
+      split_variant(variant)
+    except ValueError as error:
+      parser.error(str(error))
   if args.workers < 2:
     parser.error(f"--workers must be >= 2. Received: workers={args.workers}")
   args.threads = args.threads or max(1, (os.cpu_count() or 2) // args.workers)

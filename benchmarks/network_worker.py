@@ -21,6 +21,8 @@ def parse(argv=None):
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--model", default="mlp", choices=MODELS)
   parser.add_argument("--compressor", default="adacomp")
+  parser.add_argument("--optimizer_exchange", default=None, choices=("gradients", "updates"),
+                      help="CompressedOptimizer's exchange (default: the library's)")
   parser.add_argument("--topk_density", type=float, default=0.01)
   parser.add_argument("--width", type=int, default=2048, help="MLP hidden width")
   parser.add_argument("--batch_size", type=int, default=64, help="per worker")
@@ -72,6 +74,7 @@ def main(argv=None):
   config = common.make_config(
       example, strategy="multi_worker" if not args.alone else "one_device",
       compressor="none" if args.alone else args.compressor, topk_density=args.topk_density,
+      optimizer_exchange=None if args.alone else args.optimizer_exchange,
       batch_size=args.batch_size * workers, learning_rate=args.learning_rate,
       lr_schedule="constant", epochs=1, steps_per_epoch=args.max_steps,
       synthetic=args.synthetic or None, verbose=0, **options)

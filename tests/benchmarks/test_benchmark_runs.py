@@ -58,7 +58,7 @@ def test_step_time_ratios_to_the_dense_step(tmp_path):
 @pytest.mark.skipif(not netns.available(), reason="needs root and iproute2 (ip netns, tc)")
 def test_network_runs_workers_across_limited_namespaces_and_cleans_up(tmp_path):
   out = _ok(_run("network.py", "--models=mlp", "--rates=100mbit",
-                 "--compressors=none,adacomp", "--width=64", "--max_steps=4",
+                 "--compressors=none,adacomp+gradients", "--width=64", "--max_steps=4",
                  "--eval_every=2", "--target_accuracy=0.01", "--synthetic",
                  f"--json={tmp_path / 'n.json'}", f"--plot={tmp_path / 'n.png'}"))
   assert "measured link" in out
@@ -66,6 +66,7 @@ def test_network_runs_workers_across_limited_namespaces_and_cleans_up(tmp_path):
   assert 50e6 < result["measured_link_bits_per_second"]["100mbit"] < 130e6
   dense, adacomp = result["rows"]
   assert dense["speed_up_over_dense"] == 1.0 and dense["compression_ratio"] == 1.0
+  assert adacomp["compressor"] == "adacomp+gradients"  # the exchange it was told to use
   assert adacomp["compression_ratio"] > 5 and adacomp["time_to_accuracy_seconds"] > 0
   assert result["compute_only"]["mlp"]["median_step_seconds"] > 0
   assert (tmp_path / "n.png").stat().st_size > 0
@@ -81,6 +82,7 @@ def test_network_runs_workers_across_limited_namespaces_and_cleans_up(tmp_path):
     ("network.py", ["--compressors=topk,adacomp"], "compressors='topk,adacomp'"),
     ("network.py", ["--rates=fast"], "rate='fast'"),
     ("network.py", ["--workers=1"], "workers=1"),
+    ("network.py", ["--compressors=adacomp+fast"], "compressor='adacomp+fast'"),
 ])
 def test_bad_arguments_are_named(script, flags, named):
   result = _run(script, *flags, timeout=120)
