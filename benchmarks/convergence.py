@@ -26,6 +26,8 @@ this version of the library is skipped with a note.
         --variants=none,adacomp,adacomp-bin,adacomp+updates,adacomp+updates+masking \
         --steps=mlp=200,cnn=200,lstm=100 --width=512 --eval_every=20   # docs/convergence.md
     python benchmarks/convergence.py --models=mlp --variants=none,adacomp --seeds=0,1,2
+    python benchmarks/convergence.py --models=mlp --width=256 --optimizers=mlp=adam \
+        --learning_rates=mlp=0.001 --variants=none,adacomp,adacomp+updates  # MLP, Adam
     python benchmarks/convergence.py --smoke --synthetic  # seconds: plumbing only
 
 Prints, per model, the final accuracy (mean and range over seeds) and its gap to dense,
@@ -83,6 +85,11 @@ def parse(argv=None):
                       help="step budgets, e.g. mlp=300,lstm=100 (default per model)")
   parser.add_argument("--targets", default="",
                       help="target accuracies, e.g. mlp=0.8 (default per model)")
+  parser.add_argument("--optimizers", default="",
+                      help="inner optimizers, e.g. mlp=adam (sgd: momentum 0.9; default "
+                      "per model)")
+  parser.add_argument("--learning_rates", default="",
+                      help="e.g. mlp=0.001 (default per model)")
   parser.add_argument("--eval_every", type=int, default=25)
   parser.add_argument("--width", type=int, default=1024, help="the MLP's hidden width")
   parser.add_argument("--lstm_units", type=int, default=256)
@@ -107,10 +114,21 @@ def parse(argv=None):
     args.steps = {k: int(v) for k, v in (p.split("=") for p in args.steps.split(",") if p)}
     args.targets = {k: float(v) for k, v in (p.split("=") for p in args.targets.split(",")
                                              if p)}
+    args.learning_rates = {k: float(v) for k, v in (
+        p.split("=") for p in args.learning_rates.split(",") if p)}
+    args.optimizers = dict(p.split("=") for p in args.optimizers.split(",") if p)
   except ValueError:
-    parser.error(f"--seeds, --steps and --targets take integers (name=value for the last "
-                 f"two). Received: seeds={args.seeds!r} steps={args.steps!r} "
-                 f"targets={args.targets!r}")
+    parser.error(f"--seeds takes integers; --steps, --targets, --learning_rates and "
+                 f"--optimizers take name=value lists. Received: seeds={args.seeds!r} "
+                 f"steps={args.steps!r} targets={args.targets!r} "
+                 f"learning_rates={args.learning_rates!r} optimizers={args.optimizers!r}")
+  for name, option in (("steps", args.steps), ("targets", args.targets),
+                       ("learning_rates", args.learning_rates),
+                       ("optimizers", args.optimizers)):
+    if set(option) - set(MODELS):
+      parser.error(f"--{name} names models from {tuple(MODELS)}. Received: {name}={option!r}")
+  if set(args.optimizers.values()) - {"sgd", "adam"}:
+    parser.error(f"--optimizers takes sgd or adam. Received: optimizers={args.optimizers!r}")
   if any(s < 1 for s in args.steps.values()) or args.eval_every < 1:
     parser.error(f"--steps and --eval_every must be >= 1. Received: steps={args.steps!r}, "
                  f"eval_every={args.eval_every}")
@@ -126,6 +144,8 @@ def settings(args, model):
     args.eval_every = min(args.eval_every, 2)
   s["steps"] = args.steps.get(model, s["steps"])
   s["target"] = args.targets.get(model, s["target"])
+  s["optimizer"] = args.optimizers.get(model, s["optimizer"])
+  s["lr"] = args.learning_rates.get(model, s["lr"])
   return s
 
 

@@ -20,10 +20,13 @@ def _run(*flags, timeout=600):
 
 def test_smoke_dense_and_per_bin_adacomp(tmp_path):
   result = _run("--smoke", "--synthetic", "--models=mlp", "--variants=none,adacomp-bin",
-                "--seeds=0", f"--json={tmp_path / 'c.json'}", f"--plot={tmp_path / 'c.png'}")
+                "--seeds=0", "--optimizers=mlp=adam", "--learning_rates=mlp=0.001",
+                f"--json={tmp_path / 'c.json'}", f"--plot={tmp_path / 'c.png'}")
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   assert "gap pts" in result.stdout and "targets, adacomp-bin" in result.stdout
   out = json.loads((tmp_path / "c.json").read_text())
+  assert out["models"]["mlp"]["settings"]["optimizer"] == "adam"
+  assert out["models"]["mlp"]["settings"]["lr"] == 0.001
   rows = out["models"]["mlp"]["rows"]
   assert set(rows) == {"none", "adacomp-bin"}
   assert rows["none"]["gap_points"] == 0.0 and rows["none"]["seeds"] == [0]
@@ -37,6 +40,8 @@ def test_smoke_dense_and_per_bin_adacomp(tmp_path):
     (["--models=vgg"], "models='vgg'"),
     (["--variants=adacomp,topk"], "variants='adacomp,topk'"),
     (["--steps=mlp=0"], "steps={'mlp': 0}"),
+    (["--optimizers=mlp=rmsprop"], "optimizers={'mlp': 'rmsprop'}"),
+    (["--learning_rates=vgg=0.1"], "learning_rates={'vgg': 0.1}"),
 ])
 def test_bad_arguments_are_named(flags, named):
   result = _run(*flags, timeout=120)
