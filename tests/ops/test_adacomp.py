@@ -8,6 +8,8 @@ format contract; it shares no code with tf_adacomp. Payload codes are compared a
 import math
 import zlib
 
+import hypothesis
+from hypothesis import strategies as st
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -694,6 +696,65 @@ def test_sparse_and_dense_selections_use_either_encoder_tier(
   residue = (residue_scale * rng.standard_normal(20000)).astype(np.float32)
   payload, _, _, _ = check_against_reference(grad, residue, 50, max_density)
   assert (int(payload[0]) <= 20000 / 16) == expect_small_tier
+
+
+# ------------------------------------------------------------- decoder tiers
+
+
+def _payload_with_count(count, n, cap, rng, scale=0.75):
+  """A tensor-scale payload of ``count`` distinct random codes, its unused words filled
+  with random bits (which decoding must ignore), and its ``(position, negative)`` pairs."""
+  bits = ref.code_bits(n)
+  positions = rng.choice(n, count, replace=False).astype(np.uint64)
+  negative = rng.random(count) < 0.5
+  body = ref.pack_codes((positions << np.uint64(1)) | negative.astype(np.uint64), bits)
+  words = ref.HEADER_WORDS + (cap * bits + 31) // 32
+  payload = rng.integers(-2**31, 2**31, words, dtype=np.int64).astype(np.int32)
+  payload[:3] = [count, np.float32(scale).view(np.int32), bits]
+  payload[3:3 + len(body)] = body.view(np.int32)
+  return payload, {(int(p), bool(g)) for p, g in zip(positions, negative)}
+
+
+def test_decoding_reads_only_the_counted_codes_in_every_decoder_tier():
+  # n = 20,000, capacity 5,000: decoder tiers of 79, 313, 1,250 and 5,000 codes. Counts
+  # on each side of each boundary decode exactly what the NumPy reference does, and the
+  # random words after the count never reach the result.
+  n, cap = 20000, 5000
+  rng = np.random.default_rng(11)
+  rows, expected = [], np.zeros([n], np.float32)
+  for count in (0, 1, 79, 80, 313, 314, 1250, 1251, 4999, 5000):
+    payload, pairs = _payload_with_count(count, n, cap, rng)
+    got = adacomp_decompress(tf.constant(payload), [n], tf.float32).numpy()
+    np.testing.assert_array_equal(got, ref.dense_from_pairs(pairs, np.float32(0.75), n))
+    if count in (1, 314, 1251):
+      rows.append(payload)
+      expected += ref.dense_from_pairs(pairs, np.float32(0.75), n)
+  # Gathered rows, each in its own tier, add up in row order.
+  summed = adacomp_decompress(tf.constant(np.stack(rows)), [n], tf.float32).numpy()
+  np.testing.assert_array_equal(summed, expected)
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(
+    counts=st.lists(st.integers(0, 750), min_size=1, max_size=3),
+    scale=st.sampled_from([1e-40, 1e-3, 0.75, 3.0e38]),  # subnormal to near float32's max
+    seed=st.integers(0, 2**32 - 1))
+def test_decoding_any_counts_matches_the_reference(counts, scale, seed):
+  # One static shape (n 3,000, capacity 750: tiers of 12, 47, 188 and 750 codes) so that
+  # the kernel compiles once per number of rows; counts, positions, signs, scales and
+  # the bits after the count are drawn.
+  n, cap = 3000, 750
+  rng = np.random.default_rng(seed)
+  built = [_payload_with_count(c, n, cap, rng, scale) for c in counts]
+  expected = np.zeros([n], np.float32)
+  with np.errstate(over="ignore"):  # 3e38 + 3e38 is inf in the kernel too
+    for _, pairs in built:
+      expected = expected + ref.dense_from_pairs(pairs, np.float32(scale), n)
+  # XLA:CPU computes with subnormals flushed to zero: a subnormal scale decodes as 0
+  # (the decoder before the tiers did the same).
+  expected[np.abs(expected) < np.finfo(np.float32).tiny] = 0
+  got = adacomp_decompress(tf.constant(np.stack([p for p, _ in built])), [n], tf.float32)
+  np.testing.assert_array_equal(got.numpy(), expected)
 
 
 # ----------------------------------------------------- 10. scale="bin": per-bin scales

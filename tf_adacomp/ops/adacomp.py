@@ -41,6 +41,10 @@ BIN_SCALE_FLAG = 1 << 8  # or-ed into the bits word of a scale="bin" payload
 SCALES = ("tensor", "bin")
 # Smaller encoder tiers, as fractions 1/d of the elements (see _packed_codes).
 SLOT_TIERS = (16,)
+# Decoder tiers, the same way (see _scatter_codes): decoding reads only the codes of the
+# smallest tier that holds a payload's count. More of them than the encoder has: a
+# decoder's branch is cheap to compile (an unpack and a scatter).
+DECODE_TIERS = (256, 64, 16)
 
 
 def index_bits(num_elements: int) -> int:
@@ -248,6 +252,34 @@ def _mean_as_float32(values):
   return tf.cast(safe_top * tf.reduce_mean(values / safe_top), tf.float32)
 
 
+def _add_codes(total, words, count, n: int, cap: int, bits: int, values_at):
+  """``total`` (``[n + 1]``, the last element a sink) plus one payload's codes:
+  ``values_at(positions, negative)`` added at each of its first ``count`` positions.
+
+  Only the smallest tier (``n / d`` for d in ``DECODE_TIERS``, or ``cap``) that holds
+  ``count`` codes is unpacked (they are packed in order, so they are its first words),
+  and they are added in place: decoding costs the codes sent, not the capacity, plus one
+  zero-fill per decode. Adding a row's values to the running sum equals adding a dense
+  copy of the row (``x + (0 + v) == x + v`` in floating point). A count above ``cap``
+  (a corrupt payload; the caller marks it) reads the whole capacity.
+  """
+  tiers = sorted({min(cap, -(-n // d)) for d in DECODE_TIERS} | {cap})
+
+  def add(slots):
+    codes = bitpack.unpack(words[:bitpack.packed_words(slots, bits)], slots, bits)
+    positions = tf.cast(tf.bitwise.right_shift(codes, 1), tf.int32)
+    negative = tf.bitwise.bitwise_and(codes, 1) > 0
+    valid = (tf.range(slots, dtype=tf.int32) < count) & (positions < n)
+    values = values_at(tf.where(valid, positions, 0), negative)
+    return tf.tensor_scatter_nd_add(total, tf.where(valid, positions, n)[:, None],
+                                    tf.where(valid, values, tf.zeros_like(values)))
+
+  # One switch rather than nested conds: XLA:CPU passes a conditional's operands (the
+  # whole payload) into the taken branch, and each level of nesting would do it again.
+  tier = tf.reduce_sum(tf.cast(count > tf.constant(tiers[:-1], tf.int32), tf.int32))
+  return tf.switch_case(tier, [lambda slots=slots: add(slots) for slots in tiers])
+
+
 def _decompress(payload, shape: tf.TensorShape, dtype: tf.DType, bin_size=None):
   if bin_size is not None:
     return _decompress_per_bin(payload, shape, dtype, bin_size)
@@ -257,25 +289,20 @@ def _decompress(payload, shape: tf.TensorShape, dtype: tf.DType, bin_size=None):
   width = int(rows.shape[1])
   cap = (width - HEADER_WORDS) * 32 // bits
   cd = _compute_dtype(dtype)
-  total = tf.zeros([n], cd)
-  slots = tf.range(cap, dtype=tf.int32)
+  total, bad = tf.zeros([n + 1], cd), tf.constant(False)
   # A fixed, sequential order over replicas: every replica adds the same floats in the
   # same order and gets a bit-identical sum.
   for row in range(int(rows.shape[0])):
     count, scale_bits, sent_bits = rows[row, 0], rows[row, 1], rows[row, 2]
     scale = tf.cast(tf.bitcast(scale_bits, tf.float32), cd)
-    codes = bitpack.unpack(tf.bitcast(rows[row, HEADER_WORDS:], tf.uint32), cap, bits)
-    positions = tf.cast(tf.bitwise.right_shift(codes, 1), tf.int32)
-    negative = tf.bitwise.bitwise_and(codes, 1) > 0
-    valid = (slots < count) & (positions < n)
-    values = tf.where(negative, -scale, scale)
-    dense = tf.scatter_nd(tf.where(valid, positions, n)[:, None],
-                          tf.where(valid, values, tf.zeros_like(values)), [n + 1])[:n]
+    total = _add_codes(
+        total, tf.bitcast(rows[row, HEADER_WORDS:], tf.uint32), count, n, cap, bits,
+        lambda positions, negative, scale=scale: tf.where(negative, -scale, scale))
     # A payload that is not what this shape expects, or that carries the non-finite
-    # marker, decodes to NaN so that loss scaling and finiteness checks see it.
-    bad = ((sent_bits != bits) | (count < 0) | (count > cap)
-           | tf.logical_not(tf.math.is_finite(scale)))
-    total += tf.where(bad, tf.constant(float("nan"), cd), dense)
+    # marker, makes the whole sum NaN so that loss scaling and finiteness checks see it.
+    bad |= ((sent_bits != bits) | (count < 0) | (count > cap)
+            | tf.logical_not(tf.math.is_finite(scale)))
+  total = tf.where(bad, tf.constant(float("nan"), cd), total[:n])
   return tf.reshape(tf.cast(total, dtype), shape)
 
 
@@ -288,23 +315,21 @@ def _decompress_per_bin(payload, shape: tf.TensorShape, dtype: tf.DType, bin_siz
   width = int(rows.shape[1])
   cap = max(width - start, 0) * 32 // bits
   cd = _compute_dtype(dtype)
-  total = tf.zeros([n], cd)
-  slots = tf.range(cap, dtype=tf.int32)
+  total, bad = tf.zeros([n + 1], cd), tf.constant(False)
   for row in range(int(rows.shape[0])):  # replica order, as in _decompress
     count, marker = rows[row, 0], tf.bitcast(rows[row, 1], tf.float32)
     scales = tf.cast(tf.reshape(tf.bitcast(rows[row, BIN_HEADER_WORDS:start], tf.bfloat16),
                                 [-1])[:bins], cd)
-    codes = bitpack.unpack(tf.bitcast(rows[row, start:], tf.uint32), cap, bits)
-    positions = tf.cast(tf.bitwise.right_shift(codes, 1), tf.int32)
-    negative = tf.bitwise.bitwise_and(codes, 1) > 0
-    valid = (slots < count) & (positions < n)
-    magnitude = tf.gather(scales, tf.where(valid, positions, 0) // bin_size)
-    values = tf.where(negative, -magnitude, magnitude)
-    dense = tf.scatter_nd(tf.where(valid, positions, n)[:, None],
-                          tf.where(valid, values, tf.zeros_like(values)), [n + 1])[:n]
-    bad = ((rows[row, 2] != (bits | BIN_SCALE_FLAG)) | (rows[row, 3] != bins)
-           | (count < 0) | (count > cap) | tf.logical_not(tf.math.is_finite(marker)))
-    total += tf.where(bad, tf.constant(float("nan"), cd), dense)
+
+    def values_at(positions, negative, scales=scales):
+      magnitude = tf.gather(scales, positions // bin_size)
+      return tf.where(negative, -magnitude, magnitude)
+
+    total = _add_codes(total, tf.bitcast(rows[row, start:], tf.uint32), count, n, cap, bits,
+                       values_at)
+    bad |= ((rows[row, 2] != (bits | BIN_SCALE_FLAG)) | (rows[row, 3] != bins)
+            | (count < 0) | (count > cap) | tf.logical_not(tf.math.is_finite(marker)))
+  total = tf.where(bad, tf.constant(float("nan"), cd), total[:n])
   return tf.reshape(tf.cast(total, dtype), shape)
 
 
