@@ -1,5 +1,7 @@
 """CompressedOptimizer: no strategy and MirroredStrategy on 4 logical CPU devices."""
 
+import inspect
+
 import keras
 import numpy as np
 import pytest
@@ -7,6 +9,7 @@ import tensorflow as tf
 
 import digits_data
 import tf_adacomp
+from tf_adacomp import optimizer as optimizer_module
 
 DEVICES = [f"/cpu:{i}" for i in range(4)]
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -236,8 +239,41 @@ def test_config_round_trip():
     ({"compressor": "gzip"}, ValueError, "identifier='gzip'"),
     ({"start_step": -1}, ValueError, "start_step=-1"),
     ({"clipnorm": 1.0}, ValueError, "clipnorm=1.0"),
+    # 0.99 is ema_momentum's default, not clipnorm's: it was once let through silently.
+    ({"clipnorm": 0.99}, ValueError, "clipnorm=0.99"),
+    ({"weight_decay": 0.99}, ValueError, "weight_decay=0.99"),
+    ({"use_ema": True}, ValueError, "use_ema=True"),
+    ({"ema_momentum": 0.5}, ValueError, "ema_momentum=0.5"),
 ])
 def test_bad_arguments(kwargs, error, match):
   kwargs = {"inner_optimizer": _sgd(), **kwargs}
   with pytest.raises(error, match=match):
     tf_adacomp.CompressedOptimizer(**kwargs)
+
+
+def test_keras_optimizers_still_all_reduce_in_the_hook_the_wrapper_switches_off():
+  # A private Keras method: if a release renames it, this fails (and the wrapper refuses
+  # to run, below) rather than all-reducing the summed gradient a second time.
+  hook = optimizer_module._ALL_REDUCE_HOOK  # pylint: disable=protected-access
+  for make in (_sgd, keras.optimizers.Adam):
+    assert callable(getattr(make(), hook))
+
+  class WithoutHook(keras.optimizers.SGD):
+
+    @property
+    def _all_reduce_sum_gradients(self):
+      raise AttributeError(hook)
+
+  with pytest.raises(RuntimeError, match=f"`{hook}`.*Keras {keras.__version__}"):
+    tf_adacomp.CompressedOptimizer(WithoutHook(0.1))
+
+
+def test_base_argument_defaults_are_keras_own():
+  # CompressedOptimizer accepts Keras' base arguments only at their defaults (which
+  # deserialization passes back): those defaults must be the ones Keras declares.
+  base = next(c for c in type(_sgd()).__mro__
+              if "clipnorm" in inspect.signature(c.__init__).parameters)
+  parameters = inspect.signature(base.__init__).parameters
+  for argument, default in optimizer_module._BASE_DEFAULTS.items():  # pylint: disable=protected-access
+    assert argument in parameters, f"Keras' optimizer no longer takes {argument}"
+    assert parameters[argument].default == default, argument

@@ -201,6 +201,29 @@ def test_update_exchange_without_compression_is_the_mean_of_local_momentum_steps
   assert not np.allclose(kernel_velocity[0], kernel_velocity[1])
 
 
+def test_update_exchange_checkpoints_the_mean_of_the_replicas_slots(tmp_path):
+  # Each replica's velocity is its own (on-read): a checkpoint must store their mean, and
+  # a restore (here without a strategy, one replica) must read that mean, not replica
+  # 0's copy.
+  replicas, steps = 3, 2
+  make = lambda: tf_adacomp.CompressedOptimizer(  # noqa: E731
+      keras.optimizers.SGD(LR, momentum=MOMENTUM), "none", exchange="updates")
+  start, model, strategy = _fit(make, replicas, steps)
+  _, _, local, _ = reference_updates(start, replicas, steps, NumpySGD)
+  mean = [np.mean([local[r].moments[v] for r in range(replicas)], axis=0)
+          for v in range(len(start))]
+  saved = tf.train.Checkpoint(optimizer=model.optimizer).save(str(tmp_path / "ckpt"))
+
+  restored_model = _linear_model()
+  restored = make()
+  restored_model.compile(optimizer=restored, loss="mse")
+  restored.build(restored_model.trainable_variables)
+  tf.train.Checkpoint(optimizer=restored).restore(saved)
+  for v, velocity in enumerate(restored.inner_optimizer.momentums):
+    np.testing.assert_allclose(velocity.numpy(), mean[v], rtol=1e-5, atol=1e-6)
+  del strategy
+
+
 @pytest.mark.parametrize("inner,masking", [("sgd", False), ("sgd", True), ("adam", True)])
 def test_update_exchange_compresses_local_updates_with_error_feedback(inner, masking):
   replicas, steps, density = 2, 3, 0.2

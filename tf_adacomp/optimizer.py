@@ -26,11 +26,11 @@ Modelled on Keras' ``LossScaleOptimizer``. Two exchanges (``exchange=``; the def
   weights and residues as they were, but the inner optimizers' states have taken their
   step.
 
-  Per-replica optimizer state: the inner optimizer's slots are the strategy's mirrored
-  variables, whose per-device copies here differ on purpose (each replica steps its own).
-  Reading a slot in cross-replica context, and a checkpoint, give replica 0's copy; a
-  restore gives it to every replica. Under ``MultiWorkerMirroredStrategy`` each worker's
-  copy is its own likewise.
+  Per-replica optimizer state: the inner optimizer's slots are created ``on_read`` with
+  ``mean`` aggregation, so each replica keeps its own copy (as the residues do); reading
+  a slot in cross-replica context, a checkpoint and ``model.save`` give the mean of the
+  replicas' copies, and a restore gives that mean to every replica (across workers too
+  under ``MultiWorkerMirroredStrategy``).
 
 Options of the update exchange: ``momentum_masking`` (DGC's momentum factor masking) and,
 for either exchange, ``local_clipnorm`` (DGC's local gradient clipping). It works without
@@ -57,9 +57,17 @@ from tf_adacomp import keras_fixes
 from tf_adacomp import stats
 from tf_adacomp.compressors import registry
 
-_BASE_ARGUMENTS = ("weight_decay", "clipnorm", "global_clipnorm", "clipvalue", "use_ema",
-                   "ema_momentum", "ema_overwrite_frequency", "loss_scale_factor",
-                   "gradient_accumulation_steps")
+# Keras' base optimizer arguments and their defaults (tests/test_optimizer.py checks them
+# against Keras' signature). Keras passes the defaults back when deserializing; any other
+# value belongs to the inner optimizer.
+_BASE_DEFAULTS = {"weight_decay": None, "clipnorm": None, "global_clipnorm": None,
+                  "clipvalue": None, "use_ema": False, "ema_momentum": 0.99,
+                  "ema_overwrite_frequency": None, "loss_scale_factor": None,
+                  "gradient_accumulation_steps": None}
+# The private method of Keras' TensorFlow optimizers that all-reduces gradients in
+# `apply` (keras/src/backend/tensorflow/optimizer.py; Keras 3.15): replaced on the inner
+# optimizer, whose gradients are summed already. Guarded by tests/test_optimizer.py.
+_ALL_REDUCE_HOOK = "_all_reduce_sum_gradients"
 ADASUM_MODES = ("gradient", "delta")
 EXCHANGES = ("gradients", "updates")
 # What ``exchange=None`` means, per reduction (the class docstring gives the measurement
@@ -93,8 +101,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       the one ``adasum_mode`` names, else ``DEFAULT_EXCHANGE[reduction]``: "updates"
       with ``reduction="sum"``, "gradients" with ``"adasum"``. "updates" is the default
       because it reached dense accuracy where the gradient exchange did not: Fashion-MNIST
-      MLP, 4 replicas, 300 steps, AdaComp, 2 seeds (benchmarks/convergence_quick.py,
-      docs/distributed.md): to 80% test accuracy, SGD+momentum (0.05, 0.9) took 250-275
+      MLP, 4 replicas, 300 steps, AdaComp, 2 seeds (docs/distributed.md,
+      docs/convergence.md): to 80% test accuracy, SGD+momentum (0.05, 0.9) took 250-275
       steps with "gradients", 75-100 with "updates", 100 dense, and ended at 0.781,
       0.833 and 0.828; Adam (0.001) took 200-225, 75 and 50-75 steps and ended at 0.775,
       0.834 and 0.838. Same bytes on the wire.
@@ -125,11 +133,9 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
   def __init__(self, inner_optimizer, compressor="adacomp", start_step=0, name=None,
                reduction="sum", adasum_mode=None, exchange=None, momentum_masking=False,
                local_clipnorm=None, **kwargs):
-    for argument in _BASE_ARGUMENTS:
-      # Keras passes the base defaults back when deserializing; anything else belongs to
-      # the inner optimizer.
-      value = kwargs.pop(argument, None)
-      if value not in (None, False, 0.99):
+    for argument, default in _BASE_DEFAULTS.items():
+      value = kwargs.pop(argument, default)
+      if value is not default and (value is None or default is None or value != default):
         raise ValueError(f"CompressedOptimizer does not take `{argument}`: set it on the "
                          f"inner optimizer. Received: {argument}={value!r}")
     if kwargs:
@@ -138,6 +144,14 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
       raise TypeError(f"`inner_optimizer` must be a keras.optimizers.Optimizer. "
                       f"Received: inner_optimizer={inner_optimizer!r}")
+    if not hasattr(inner_optimizer, _ALL_REDUCE_HOOK):
+      # Without it the inner optimizer would all-reduce the already-summed gradient
+      # again: replicas x the gradient, and dense traffic besides.
+      raise RuntimeError(
+          f"CompressedOptimizer switches off the inner optimizer's own all-reduce "
+          f"(`{_ALL_REDUCE_HOOK}` of Keras' TensorFlow optimizers), which this "
+          f"optimizer does not have (Keras {keras.__version__}, backend "
+          f"{keras.backend.backend()}). Received: inner_optimizer={inner_optimizer!r}")
     if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
       raise ValueError(f"`start_step` must be an integer >= 0. Received: start_step={start_step!r}")
     reduction = collectives.check_reduction(reduction)
@@ -175,12 +189,18 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
           for spec in self.compressor.state_specs(plan)))
     self.bytes_sent = self.add_variable(shape=(len(var_list),), dtype="int64",
                                         aggregation="only_first_replica", name="bytes_sent")
-    self.inner_optimizer.build(var_list)
+    if self.exchange == "updates":
+      # Each replica steps the inner optimizer with its own state, so its slots hold one
+      # value per replica (on-read, as the residues), and a checkpoint stores their mean
+      # rather than replica 0's copy.
+      with tf.variable_creator_scope(_one_value_per_replica):
+        self.inner_optimizer.build(var_list)
+    else:
+      self.inner_optimizer.build(var_list)
     # Keras' TensorFlow optimizers all-reduce gradients in `apply`. The wrapped one only
     # ever receives gradients already summed over replicas, so that second, dense
     # all-reduce is switched off (an instance attribute: replica threads share it).
-    if hasattr(self.inner_optimizer, "_all_reduce_sum_gradients"):
-      self.inner_optimizer._all_reduce_sum_gradients = _no_all_reduce  # pylint: disable=protected-access
+    setattr(self.inner_optimizer, _ALL_REDUCE_HOOK, _no_all_reduce)
     super().build(var_list)
 
   def _add_replica_variable(self, reference, spec, name):
@@ -407,6 +427,14 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       config["adasum_mode"] = None
       config["exchange"] = "gradients"
     return cls(inner, **config)
+
+
+def _one_value_per_replica(next_creator, **kwargs):
+  """A variable creator: on-read synchronization, ``mean`` aggregation (a checkpoint or a
+  cross-replica read gets the mean of the replicas' copies; a restore sets every copy)."""
+  kwargs["synchronization"] = tf.VariableSynchronization.ON_READ
+  kwargs["aggregation"] = tf.VariableAggregation.MEAN
+  return next_creator(**kwargs)
 
 
 def _all_finite(tensors):
