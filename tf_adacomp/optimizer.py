@@ -127,7 +127,11 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       contradicts ``exchange``; ``momentum_masking`` not a bool, or True where it cannot
       apply (gradient exchange, an inner optimizer without momentum, a compressor
       without residue); ``local_clipnorm`` not a finite number > 0; ``start_step`` < 0;
-      base optimizer arguments (set those on the inner optimizer).
+      a base optimizer argument other than its Keras default (set those on the inner
+      optimizer).
+    RuntimeError: the inner optimizer has no ``_all_reduce_sum_gradients`` (the Keras
+      TensorFlow optimizers' all-reduce, which the wrapper switches off): a Keras
+      release that renamed it, or another backend.
   """
 
   def __init__(self, inner_optimizer, compressor="adacomp", start_step=0, name=None,

@@ -41,7 +41,7 @@ BIN_SCALE_FLAG = 1 << 8  # or-ed into the bits word of a scale="bin" payload
 SCALES = ("tensor", "bin")
 # Smaller encoder tiers, as fractions 1/d of the elements (see _packed_codes).
 SLOT_TIERS = (16,)
-# Decoder tiers, the same way (see _scatter_codes): decoding reads only the codes of the
+# Decoder tiers, the same way (see _add_codes): decoding reads only the codes of the
 # smallest tier that holds a payload's count. More of them than the encoder has: a
 # decoder's branch is cheap to compile (an unpack and a scatter).
 DECODE_TIERS = (256, 64, 16)
