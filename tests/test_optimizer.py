@@ -254,7 +254,7 @@ def test_bad_arguments(kwargs, error, match):
 def test_keras_optimizers_still_all_reduce_in_the_hook_the_wrapper_switches_off():
   # A private Keras method: if a release renames it, this fails (and the wrapper refuses
   # to run, below) rather than all-reducing the summed gradient a second time.
-  hook = optimizer_module._ALL_REDUCE_HOOK  # pylint: disable=protected-access
+  hook = optimizer_module.ALL_REDUCE_HOOK
   for make in (_sgd, keras.optimizers.Adam):
     assert callable(getattr(make(), hook))
 

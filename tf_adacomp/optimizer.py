@@ -66,8 +66,9 @@ _BASE_DEFAULTS = {"weight_decay": None, "clipnorm": None, "global_clipnorm": Non
                   "gradient_accumulation_steps": None}
 # The private method of Keras' TensorFlow optimizers that all-reduces gradients in
 # `apply` (keras/src/backend/tensorflow/optimizer.py; Keras 3.15): replaced on the inner
-# optimizer, whose gradients are summed already. Guarded by tests/test_optimizer.py.
-_ALL_REDUCE_HOOK = "_all_reduce_sum_gradients"
+# optimizer, whose gradients are summed already (and by ResIST's trainer). Guarded by
+# tests/test_optimizer.py.
+ALL_REDUCE_HOOK = "_all_reduce_sum_gradients"
 ADASUM_MODES = ("gradient", "delta")
 EXCHANGES = ("gradients", "updates")
 # What ``exchange=None`` means, per reduction (the class docstring gives the measurement
@@ -139,7 +140,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
                local_clipnorm=None, **kwargs):
     for argument, default in _BASE_DEFAULTS.items():
       value = kwargs.pop(argument, default)
-      if value is not default and (value is None or default is None or value != default):
+      if (value is None) != (default is None) or value != default:
         raise ValueError(f"CompressedOptimizer does not take `{argument}`: set it on the "
                          f"inner optimizer. Received: {argument}={value!r}")
     if kwargs:
@@ -148,12 +149,12 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
       raise TypeError(f"`inner_optimizer` must be a keras.optimizers.Optimizer. "
                       f"Received: inner_optimizer={inner_optimizer!r}")
-    if not hasattr(inner_optimizer, _ALL_REDUCE_HOOK):
+    if not hasattr(inner_optimizer, ALL_REDUCE_HOOK):
       # Without it the inner optimizer would all-reduce the already-summed gradient
       # again: replicas x the gradient, and dense traffic besides.
       raise RuntimeError(
           f"CompressedOptimizer switches off the inner optimizer's own all-reduce "
-          f"(`{_ALL_REDUCE_HOOK}` of Keras' TensorFlow optimizers), which this "
+          f"(`{ALL_REDUCE_HOOK}` of Keras' TensorFlow optimizers), which this "
           f"optimizer does not have (Keras {keras.__version__}, backend "
           f"{keras.backend.backend()}). Received: inner_optimizer={inner_optimizer!r}")
     if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
@@ -204,7 +205,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     # Keras' TensorFlow optimizers all-reduce gradients in `apply`. The wrapped one only
     # ever receives gradients already summed over replicas, so that second, dense
     # all-reduce is switched off (an instance attribute: replica threads share it).
-    setattr(self.inner_optimizer, _ALL_REDUCE_HOOK, _no_all_reduce)
+    setattr(self.inner_optimizer, ALL_REDUCE_HOOK, _no_all_reduce)
     super().build(var_list)
 
   def _add_replica_variable(self, reference, spec, name):

@@ -26,12 +26,14 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_adacomp.optimizer import ALL_REDUCE_HOOK
 from tf_adacomp.optimizer import CompressedOptimizer
 from tf_adacomp.resist import model as model_lib
 from tf_adacomp.resist import partition as partition_lib
 from tf_adacomp.resist import sync
 
-_HOOK = "_all_reduce_sum_gradients"
+# The Keras all-reduce hook that CompressedOptimizer also switches off (one name, one place).
+_HOOK = ALL_REDUCE_HOOK
 
 
 def _synced_variables(model):
