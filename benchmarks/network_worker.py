@@ -60,7 +60,9 @@ def main(argv=None):
   import timing  # pylint: disable=g-import-not-at-top
   import tf_adacomp  # pylint: disable=g-import-not-at-top
   from tf_adacomp.examples import cifar10_resnet  # pylint: disable=g-import-not-at-top
-  from tf_adacomp.examples import common  # pylint: disable=g-import-not-at-top
+  from tf_adacomp.examples import flags_and_config  # pylint: disable=g-import-not-at-top
+  from tf_adacomp.examples import input_data  # pylint: disable=g-import-not-at-top
+  from tf_adacomp.examples import optimizers  # pylint: disable=g-import-not-at-top
   from tf_adacomp.examples import fashion_mnist  # pylint: disable=g-import-not-at-top
 
   if args.alone:
@@ -71,7 +73,7 @@ def main(argv=None):
     index = strategy.cluster_resolver.task_id
   example = fashion_mnist if args.model == "mlp" else cifar10_resnet
   options = {"dataset": "fashion_mnist", "depth": 20} if args.model == "resnet20" else {}
-  config = common.make_config(
+  config = flags_and_config.make_config(
       example, strategy="multi_worker" if not args.alone else "one_device",
       compressor="none" if args.alone else args.compressor, topk_density=args.topk_density,
       optimizer_exchange=None if args.alone else args.optimizer_exchange,
@@ -80,14 +82,14 @@ def main(argv=None):
       synthetic=args.synthetic or None, verbose=0, **options)
   keras.utils.set_random_seed(config.seed)
   data = example.load_data(config)
-  train, _ = common.pipelines(data, config)
+  train, _ = input_data.pipelines(data, config)
   x_test, y_test = next(iter(data.test.batch(args.eval_size)))
   x_test, y_test = x_test.numpy(), y_test.numpy()
 
   with strategy.scope():
     model = (build_mlp(args.width) if args.model == "mlp"
              else example.build_model(config, data))
-    model.compile(optimizer=common.make_optimizer(config, args.max_steps),
+    model.compile(optimizer=optimizers.make_optimizer(config, args.max_steps),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
   timer = timing.StepTimer(skip=1)

@@ -21,22 +21,16 @@ def adacomp_elements_sent(variables):
   """Elements AdaComp sent per step (all variables), from its bytes per variable.
 
   ``variables`` is ``CompressionStats.variable_totals()`` or an example summary's
-  ``variables`` (which has ``sent_bytes_per_step``).
-
-  An AdaComp payload is 3 header words and ``count`` codes of ``bits`` bits, and the
-  exchange adds 4 bytes of length (docs/wire_format.md), so ``count`` follows from
-  the bytes; the figure is the most any replica sent, averaged over the steps.
+  ``variables`` (which has ``sent_bytes_per_step``). Each variable's bytes are turned
+  back into elements by ``stats.adacomp_elements`` (the inverse of the byte model).
   """
-  from tf_adacomp.ops.adacomp import index_bits  # pylint: disable=g-import-not-at-top
+  from tf_adacomp import stats  # pylint: disable=g-import-not-at-top
 
   total = 0.0
   for v in variables.values():
-    n = math.prod(v["shape"])
-    bits = index_bits(n) + 1  # position and sign (docs/wire_format.md)
     sent = (v["sent_bytes_per_step"] if "sent_bytes_per_step" in v
             else v["sent_bytes"] / v["steps"])
-    words = (sent - 4) / 4 - 3
-    total += min(n, max(words, 0.0) * 32 / bits)
+    total += stats.adacomp_elements(math.prod(v["shape"]), sent)
   return total
 
 

@@ -36,18 +36,19 @@ def time_one(model, compressor, replicas, args):
   """In a fresh process: trains --steps steps; returns the step times and bytes."""
   import importlib  # pylint: disable=g-import-not-at-top
 
-  from tf_adacomp.examples import common  # pylint: disable=g-import-not-at-top
+  from tf_adacomp.examples import flags_and_config  # pylint: disable=g-import-not-at-top
+  from tf_adacomp.examples import training  # pylint: disable=g-import-not-at-top
   import timing  # pylint: disable=g-import-not-at-top
 
   name, options = MODELS[model]
   example = importlib.import_module(f"tf_adacomp.examples.{name}")
-  config = common.make_config(
+  config = flags_and_config.make_config(
       example, compressor=compressor, replicas=replicas, epochs=1,
       steps_per_epoch=args.skip + args.steps, eval_steps=1, batch_size=args.batch_size,
       learning_rate=args.learning_rate, lr_schedule="constant", verbose=0,
       synthetic=args.synthetic or None, **options)
   timer = timing.StepTimer(skip=args.skip)
-  summary = common.train(example, config, callbacks=[timer])
+  summary = training.train(example, config, callbacks=[timer])
   return {"model": model, "compressor": compressor, "replicas": replicas,
           "median_step_seconds": timer.median(), "step_seconds": timer.times,
           "bytes_sent_per_step": summary["bytes_sent_per_step"],

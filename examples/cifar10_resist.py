@@ -20,9 +20,11 @@ from absl import app
 from absl import flags
 
 from tf_adacomp.examples import cifar10_resnet  # the data, --depth and --dataset
-from tf_adacomp.examples import common
+from tf_adacomp.examples import distribution
+from tf_adacomp.examples import flags_and_config
+from tf_adacomp.examples import training
 
-flags.adopt_module_key_flags(common)  # --help lists the shared flags too
+flags.adopt_module_key_flags(flags_and_config)  # --help lists the shared flags too
 flags.adopt_module_key_flags(cifar10_resnet)
 
 NAME = "cifar10_resist"
@@ -94,7 +96,7 @@ def callbacks(config):
   class Rounds(resist.ResIST):
     def on_train_end(self, logs=None):
       super().on_train_end(logs)
-      if config.verbose and common.is_chief(self.model.distribute_strategy):
+      if config.verbose and distribution.is_chief(self.model.distribute_strategy):
         print(format_communication(self.communication()), flush=True)
 
     def summary(self):
@@ -128,7 +130,7 @@ def format_communication(measured):
 
 
 def main(argv):
-  common.run(sys.modules[__name__], argv)
+  training.run(sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,11 @@ import sys
 from absl import app
 from absl import flags
 
-from tf_adacomp.examples import common
+from tf_adacomp.examples import flags_and_config
+from tf_adacomp.examples import input_data
+from tf_adacomp.examples import training
 
-flags.adopt_module_key_flags(common)  # --help lists the shared flags too
+flags.adopt_module_key_flags(flags_and_config)  # --help lists the shared flags too
 
 NAME = "cifar10_resnet"
 DEFAULTS = dict(epochs=160, batch_size=128, learning_rate=0.1, lr_schedule="step")
@@ -36,8 +38,8 @@ def _tfds_cifar10(config):
 
   (train, test), info = tfds.load("cifar10", split=["train", "test"], as_supervised=True,
                                   data_dir=config.data_dir, with_info=True)
-  return (train, test, common.split_size(info, "train", train),
-          common.split_size(info, "test", test))
+  return (train, test, input_data.split_size(info, "train", train),
+          input_data.split_size(info, "test", test))
 
 
 def _fashion_mnist_32(config):
@@ -75,7 +77,7 @@ def augment(image):
 
 def load_data(config):
   if config.synthetic:
-    return common.synthetic_data([32, 32, 3], 10, 512, 128, config.seed)
+    return input_data.synthetic_data([32, 32, 3], 10, 512, 128, config.seed)
   import tensorflow as tf
 
   loader = _tfds_cifar10 if config.options["dataset"] == "cifar10" else _fashion_mnist_32
@@ -85,7 +87,7 @@ def load_data(config):
                 num_parallel_calls=tf.data.AUTOTUNE))
   test = test.map(lambda x, y: (normalize(x), tf.cast(y, tf.int32)),
                   num_parallel_calls=tf.data.AUTOTUNE)
-  return common.Data(train, test, n_train, n_test)
+  return input_data.Data(train, test, n_train, n_test)
 
 
 def resnet_cifar(depth, num_classes=10, weight_decay=1e-4):
@@ -125,7 +127,7 @@ def build_model(config, data):
 
 
 def main(argv):
-  common.run(sys.modules[__name__], argv)
+  training.run(sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":

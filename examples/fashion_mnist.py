@@ -15,9 +15,11 @@ import sys
 from absl import app
 from absl import flags
 
-from tf_adacomp.examples import common
+from tf_adacomp.examples import flags_and_config
+from tf_adacomp.examples import input_data
+from tf_adacomp.examples import training
 
-flags.adopt_module_key_flags(common)  # --help lists the shared flags too
+flags.adopt_module_key_flags(flags_and_config)  # --help lists the shared flags too
 
 NAME = "fashion_mnist"
 DEFAULTS = dict(epochs=2, batch_size=128, learning_rate=0.05, lr_schedule="cosine")
@@ -84,7 +86,7 @@ def load_arrays(config):
 
 def load_data(config):
   if config.synthetic:
-    return common.synthetic_data([28, 28, 1], 10, 1024, 256, config.seed)
+    return input_data.synthetic_data([28, 28, 1], 10, 1024, 256, config.seed)
   import tensorflow as tf
 
   arrays = load_arrays(config)
@@ -98,7 +100,7 @@ def load_data(config):
   train = dataset("train").shuffle(n_train, seed=config.seed, reshuffle_each_iteration=True)
   train = train.map(lambda x, y: (tf.image.random_flip_left_right(x), y),
                     num_parallel_calls=tf.data.AUTOTUNE)
-  return common.Data(train, dataset("test"), n_train, n_test)
+  return input_data.Data(train, dataset("test"), n_train, n_test)
 
 
 def build_model(config, data):
@@ -118,7 +120,7 @@ def build_model(config, data):
 
 
 def main(argv):
-  common.run(sys.modules[__name__], argv)
+  training.run(sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":

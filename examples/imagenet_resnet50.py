@@ -16,9 +16,11 @@ import sys
 from absl import app
 from absl import flags
 
-from tf_adacomp.examples import common
+from tf_adacomp.examples import flags_and_config
+from tf_adacomp.examples import input_data
+from tf_adacomp.examples import training
 
-flags.adopt_module_key_flags(common)  # --help lists the shared flags too
+flags.adopt_module_key_flags(flags_and_config)  # --help lists the shared flags too
 
 NAME = "imagenet_resnet50"
 DEFAULTS = dict(epochs=90, batch_size=1024, learning_rate=0.4, lr_schedule="cosine",
@@ -62,7 +64,7 @@ def eval_image(image, size):
 def load_data(config):
   size = config.options["image_size"]
   if config.synthetic:
-    return common.synthetic_data([size, size, 3], NUM_CLASSES, 256, 64, config.seed)
+    return input_data.synthetic_data([size, size, 3], NUM_CLASSES, 256, 64, config.seed)
   import tensorflow as tf
   import tensorflow_datasets as tfds
 
@@ -71,15 +73,15 @@ def load_data(config):
       manual_dir=config.options["manual_dir"]))
   train = builder.as_dataset(split="train", as_supervised=True, shuffle_files=True)
   test = builder.as_dataset(split="validation", as_supervised=True)
-  n_train = common.split_size(builder.info, "train", train)
-  n_test = common.split_size(builder.info, "validation", test)
+  n_train = input_data.split_size(builder.info, "train", train)
+  n_test = input_data.split_size(builder.info, "validation", test)
   train = (train.shuffle(10_000, seed=config.seed)
            .map(lambda x, y: (train_image(x, size), tf.cast(y, tf.int32)),
                 num_parallel_calls=tf.data.AUTOTUNE))
   test = test.map(lambda x, y: (eval_image(x, size), tf.cast(y, tf.int32)),
                   num_parallel_calls=tf.data.AUTOTUNE)
   # 1,024 training files: each worker reads its own share of them.
-  return common.Data(train, test, n_train, n_test, info={"shard_policy": "AUTO"})
+  return input_data.Data(train, test, n_train, n_test, info={"shard_policy": "AUTO"})
 
 
 def build_model(config, data):
@@ -92,7 +94,7 @@ def build_model(config, data):
 
 
 def main(argv):
-  common.run(sys.modules[__name__], argv)
+  training.run(sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":

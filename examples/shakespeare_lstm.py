@@ -18,9 +18,11 @@ import sys
 from absl import app
 from absl import flags
 
-from tf_adacomp.examples import common
+from tf_adacomp.examples import flags_and_config
+from tf_adacomp.examples import input_data
+from tf_adacomp.examples import training
 
-flags.adopt_module_key_flags(common)  # --help lists the shared flags too
+flags.adopt_module_key_flags(flags_and_config)  # --help lists the shared flags too
 
 NAME = "shakespeare_lstm"
 DEFAULTS = dict(epochs=10, batch_size=64, learning_rate=0.002, optimizer="adam")
@@ -80,8 +82,8 @@ def _tfds_text(config):
 def load_data(config):
   seq_length = config.options["seq_length"]
   if config.synthetic:
-    data = common.synthetic_data([seq_length], SYNTHETIC_VOCABULARY, 256, 64, config.seed,
-                                 x_dtype="int32", y_shape=(seq_length,))
+    data = input_data.synthetic_data([seq_length], SYNTHETIC_VOCABULARY, 256, 64,
+                                     config.seed, x_dtype="int32", y_shape=(seq_length,))
     data.info["vocabulary_size"] = SYNTHETIC_VOCABULARY
     return data
   import numpy as np
@@ -99,7 +101,7 @@ def load_data(config):
     return tf.data.Dataset.from_tensor_slices((x, y)), len(x)
 
   (train, n_train), (test, n_test) = dataset(train_text), dataset(test_text)
-  data = common.Data(train.shuffle(n_train, seed=config.seed), test, n_train, n_test)
+  data = input_data.Data(train.shuffle(n_train, seed=config.seed), test, n_train, n_test)
   data.info["vocabulary_size"] = len(alphabet) + 1
   return data
 
@@ -117,7 +119,7 @@ def build_model(config, data):
 
 
 def main(argv):
-  common.run(sys.modules[__name__], argv)
+  training.run(sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":

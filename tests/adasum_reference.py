@@ -1,4 +1,4 @@
-"""Independent NumPy reference for Adasum (ALGORITHMS.md section 2); imports nothing of
+"""Independent NumPy reference for Adasum (docs/algorithms.md#adasum); imports nothing of
 tf_adacomp. The tree is built level by level from neighbouring pairs, not by halving as
 the library does, so the two agree only if both follow the documented order."""
 

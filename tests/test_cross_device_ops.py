@@ -2,6 +2,7 @@
 
 import copy
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -170,3 +171,113 @@ def test_deepcopy_gives_an_equal_configuration_without_state():
 def test_bad_arguments(kwargs, match):
   with pytest.raises(ValueError, match=match):
     tf_adacomp.CompressedAllReduce(**kwargs)
+
+
+# --- Contracts that the exchange engine fixed (issue 17; issue 19 item 1) ------------------
+
+
+def _per_replica(strategy, fn):
+  return strategy.experimental_distribute_values_from_function(
+      lambda ctx: fn(ctx.replica_id_in_sync_group))
+
+
+@pytest.mark.parametrize("in_function", [False, True])
+@pytest.mark.parametrize("reduce_op", [tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN])
+def test_results_live_on_each_destination_device(in_function, reduce_op):
+  """One component on each destination device, as ReductionToOneDevice places them (they
+  all sat on the first device before, or on none inside a tf.function)."""
+  placed = {}
+  for name, ops in [("reference", tf.distribute.ReductionToOneDevice()),
+                    ("compressed", tf_adacomp.CompressedAllReduce("adacomp", min_size=0))]:
+    strategy = _strategy(ops)
+    with strategy.scope():
+      destinations = tf.Variable(tf.zeros([600]))  # a component on each of the 4 devices
+    values = _per_replica(strategy, lambda r: tf.fill([600], float(r + 1)))
+    sparse = _per_replica(strategy, lambda r: tf.IndexedSlices(
+        tf.ones([1, 2]), tf.reshape(r, [1]), tf.constant([4, 2])))
+
+    def reduce():
+      results = strategy.extended.batch_reduce_to(
+          reduce_op, [(values, destinations), (sparse, destinations)])
+      components = strategy.experimental_local_results(results[0])
+      # Inside a function: where the graph places them (its outputs come back on one).
+      placed[name] = [tf.DeviceSpec.from_string(c.device).device_index for c in components]
+      return components
+
+    dense = tf.function(reduce)() if in_function else reduce()
+    for c in dense:
+      np.testing.assert_allclose(c.numpy(), dense[0].numpy())
+  assert placed["compressed"] == placed["reference"] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("compressor", ["fft", "adacomp", "topk", "bf16", "fp16"])
+@pytest.mark.parametrize("reduction", ["sum", "adasum"])
+def test_scalars_are_summed_exactly(compressor, reduction):
+  """Losses and metric totals: FFT used to return 3.5 for 1.2345678 + 2.2345678."""
+  ops = tf_adacomp.CompressedAllReduce(compressor, min_size=0, reduction=reduction)
+  strategy = _strategy(ops)
+  scalars = np.array([1.2345678, 2.2345678, 0.5, -0.25], np.float32)
+
+  @tf.function
+  def step():
+    def replica_fn():
+      ctx = tf.distribute.get_replica_context()
+      return ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                            tf.gather(tf.constant(scalars), ctx.replica_id_in_sync_group))
+    return strategy.run(replica_fn)
+
+  total = strategy.experimental_local_results(step())[0].numpy()
+  np.testing.assert_allclose(total, scalars.astype(np.float64).sum(), rtol=1e-6)
+  assert not ops.residues  # nothing compressed, nothing held back
+
+
+def test_two_functions_reducing_the_same_shape_keep_separate_residues():
+  ops = tf_adacomp.CompressedAllReduce("adacomp", min_size=0)
+  strategy = _strategy(ops)
+  rng = np.random.default_rng(1)
+  train_grads = tf.constant(rng.standard_normal([4, 800]), tf.float32)
+  eval_values = tf.constant(rng.standard_normal([4, 800]) * 100, tf.float32)
+
+  def reduce(data):
+    def replica_fn():
+      ctx = tf.distribute.get_replica_context()
+      return ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                            tf.gather(data, ctx.replica_id_in_sync_group))
+    return strategy.run(replica_fn)
+
+  @tf.function
+  def train_step():
+    return reduce(train_grads)
+
+  @tf.function
+  def eval_step():
+    return reduce(eval_values)
+
+  train_step()
+  train_key, = ops.residues
+  after_train = [s[0].numpy() for s in ops.residues[train_key]]
+  eval_step()
+  assert len(ops.residues) == 2  # one shared residue before
+  for state, value in zip(ops.residues[train_key], after_train):
+    np.testing.assert_array_equal(state[0].numpy(), value)
+
+
+def test_warm_up_steps_count_the_dense_bytes_they_send():
+  """CompressionStats under model.fit: warm-up steps logged bytes_sent 0 and ratio NaN."""
+  ops = tf_adacomp.CompressedAllReduce(tf_adacomp.AdaComp(), start_step=3)
+  strategy = _strategy(ops)
+  (x, y), _ = digits_data.flat()
+  with strategy.scope():
+    model = digits_data.mlp(0)
+  logged = []
+  record = keras.callbacks.LambdaCallback(
+      on_train_batch_end=lambda batch, logs: logged.append(dict(logs)))
+  stats = tf_adacomp.CompressionStats()
+  model.fit(x[:320], y[:320], batch_size=64, epochs=1, verbose=0, shuffle=False,
+            callbacks=[stats, record])
+  dense = sum(4 * v.shape.num_elements() for v in model.trainable_variables)
+  for logs in logged[:3]:  # warm-up: every tensor sent as float32, plus its length word
+    assert dense <= logs["bytes_sent"] <= dense + 4 * len(model.trainable_variables)
+    assert 0.99 < logs["compression_ratio"] <= 1.0
+  for logs in logged[3:]:
+    assert logs["compression_ratio"] > 2

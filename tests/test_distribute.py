@@ -18,7 +18,7 @@ import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as keras_trainer
 
 from multi_worker import PROJECT_ROOT, WORKERS_DIR, describe, run_workers
-from tf_adacomp import distribute, keras_fixes
+from tf_adacomp import distribute, internals, keras_fixes
 from workers import keras_fit
 
 KERAS_FIT_WORKER = WORKERS_DIR / "keras_fit.py"
@@ -162,7 +162,7 @@ def test_mirrored_strategy_with_compressor():
   strategy = distribute.mirrored_strategy("adacomp", devices=_cpus(), dense_bin_size=100)
   assert isinstance(strategy, tf.distribute.MirroredStrategy)
   assert strategy.num_replicas_in_sync == 4
-  ops = strategy.extended._cross_device_ops  # pylint: disable=protected-access
+  ops = internals.cross_device_ops_of(strategy)
   assert isinstance(ops, cross_device_ops.CompressedAllReduce)
 
 

@@ -7,7 +7,9 @@ Public API (a flat list, as in Keras and optax):
   ``serialize_compressor``;
 - distribution: ``CompressedAllReduce`` (cross-device ops for ``MirroredStrategy``),
   ``CompressedOptimizer`` (a Keras optimizer wrapper, any strategy); both sum the
-  replicas' gradients or, with ``reduction="adasum"``, combine them with Adasum;
+  replicas' gradients or, with ``reduction="adasum"``, combine them with Adasum; both
+  adapt ``Exchange``, the one exchange engine, whose ``replica_exchange`` (also as a
+  function) is the entry point for custom training loops (docs/distributed.md);
 - helpers: ``tf_adacomp.distribute`` (logical devices, strategies, TF_CONFIG, the Keras
   multi-worker fix), ``CompressionStats`` (a Keras callback), ``schedules``
   (``WarmupDecay`` and ``LEGW``, learning-rate schedules for large batches);
@@ -28,6 +30,8 @@ from tf_adacomp import ops
 from tf_adacomp import resist
 from tf_adacomp import schedules
 from tf_adacomp.callbacks import CompressionStats
+from tf_adacomp.collectives import Exchange
+from tf_adacomp.collectives import replica_exchange
 from tf_adacomp.cross_device_ops import CompressedAllReduce
 from tf_adacomp.optimizer import CompressedOptimizer
 from tf_adacomp.compressors import AdaComp
@@ -52,6 +56,7 @@ __all__ = [
     "CompressedOptimizer",
     "CompressionStats",
     "Compressor",
+    "Exchange",
     "FFTCompressor",
     "FP16",
     "NoCompression",
@@ -62,6 +67,7 @@ __all__ = [
     "get_compressor",
     "ops",
     "register_compressor",
+    "replica_exchange",
     "resist",
     "schedules",
     "serialize_compressor",

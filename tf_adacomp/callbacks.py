@@ -3,6 +3,7 @@
 import keras
 import tensorflow as tf
 
+from tf_adacomp import internals
 from tf_adacomp import stats
 from tf_adacomp.cross_device_ops import CompressedAllReduce
 from tf_adacomp.optimizer import CompressedOptimizer
@@ -44,7 +45,7 @@ class CompressionStats(keras.callbacks.Callback):
       if isinstance(optimizer, CompressedOptimizer):
         return optimizer
       optimizer = getattr(optimizer, "inner_optimizer", None)
-    ops = getattr(self.model.distribute_strategy.extended, "_cross_device_ops", None)
+    ops = internals.cross_device_ops_of(self.model.distribute_strategy)
     if isinstance(ops, CompressedAllReduce):
       return ops
     raise ValueError("CompressionStats found no CompressedOptimizer or CompressedAllReduce "

@@ -39,7 +39,7 @@ def _train(name, flags, quiet) -> int:
 
 
 def _demo(args, extra_flags, quiet) -> int:
-  from tf_adacomp.examples import common
+  from tf_adacomp.examples import report
 
   root = args.model_dir or tempfile.mkdtemp(prefix="tf_adacomp_demo_")
   summaries = []
@@ -55,10 +55,10 @@ def _demo(args, extra_flags, quiet) -> int:
       return 1
     with open(os.path.join(model_dir, "summary.json")) as f:
       summaries.append(json.load(f))
-  print("\n" + common.format_summary(*summaries))
+  print("\n" + report.format_summary(*summaries))
   print(f"\nSummaries (JSON), checkpoints and TensorBoard logs: {root}")
   try:
-    figure = common.plot_summaries(summaries, os.path.join(root, "demo.png"))
+    figure = report.plot_summaries(summaries, os.path.join(root, "demo.png"))
     print(f"Test accuracy and bytes per step, side by side: {figure}")
   except ImportError:  # matplotlib comes with the [examples] extra
     print("(no figure: matplotlib is not installed; pip install 'tf_adacomp[examples]')")
@@ -87,10 +87,10 @@ def main(argv=None):
                     "logs (a new temporary directory; an existing one resumes)")
   args, rest = parser.parse_known_args(argv)
   if args.command == "demo":
-    from tf_adacomp.examples import common
-    unknown = [c for c in args.compressors.split(",") if c not in common.COMPRESSORS]
+    from tf_adacomp.examples import flags_and_config
+    unknown = [c for c in args.compressors.split(",") if c not in flags_and_config.COMPRESSORS]
     if unknown:
-      parser.error(f"--compressors takes names from {', '.join(common.COMPRESSORS)}. "
+      parser.error(f"--compressors takes names from {', '.join(flags_and_config.COMPRESSORS)}. "
                    f"Received: compressors={args.compressors!r}")
   quiet = not quiet_start_up.wants_verbose(argv)
   if args.command == "train":

@@ -1,76 +1,398 @@
-"""The compressed exchange: compress, gather compact payloads, decode and sum.
+"""The compressed exchange, in one place: compress, move, decode, combine, count bytes.
 
-Two forms of the same exchange:
+Every compressed exchange of the package runs through ``Exchange``, whose work is split
+in three stages, so that only the middle one depends on how payloads travel:
 
-- ``replica_exchange`` runs in a replica context (inside ``strategy.run`` or a Keras
-  train step) and uses the strategy's own collectives: ``all_reduce`` for summable
-  payloads and ``all_gather`` for the others. It works under every strategy, including
-  ``MultiWorkerMirroredStrategy`` over gRPC, and without one.
-- ``local_exchange`` runs in a cross-replica context on per-device values (what a
-  ``tf.distribute.CrossDeviceOps`` receives) and moves payloads between devices with
-  plain copies.
+1. ``Exchange.compress``, on each replica: its gradients become payloads and new
+   compressor states. Summable payloads (dense tensors, e.g. a float16 cast) are kept
+   whole; compact payloads (AdaComp, FFT, top-k) are trimmed to their used words and
+   joined in one buffer, with their lengths in a second one (``Outgoing``).
+2. Moving them: in a replica context with the strategy's collectives
+   (``Exchange.replica_exchange``: one ``all_reduce`` of the summable payloads and two
+   ``all_gather`` calls, lengths and data; this works under every strategy, including
+   ``MultiWorkerMirroredStrategy`` over gRPC, and without one), or in a cross-replica
+   context by copying each replica's buffers to each destination device
+   (``Exchange.local_exchange``, used by ``CompressedAllReduce`` and by
+   ``simulate.SimulatedLearners``).
+3. ``Exchange.decode``: from every replica's buffers, the ``[replicas, words]`` rows of
+   each tensor are rebuilt and decoded in replica order, so that every replica (and every
+   destination device) computes bit-identical results; the ``Reduction`` combines them.
 
-Non-summable payloads have a static buffer length but only their used words are sent:
-every replica trims its payloads, all payloads of a step travel in one all-gather with
-their lengths in another (the collective pads every replica's buffer to the longest),
-and each replica rebuilds the ``[replicas, words]`` rows and decodes them in replica
-order, so that all replicas compute bit-identical sums.
+What one replica sent is counted from the lengths that were really exchanged, by
+``stats.exchange_nbytes`` (the one byte model of the package; docs/wire_format.md).
 
-With ``reduction="adasum"`` every payload is all-gathered (summable ones too: Adasum
-needs each replica's tensor, not their sum), each replica's row is decoded on its own,
-and the decoded tensors are combined with ``ops.adasum_reduce`` (same tree, same order, on
-every replica).
+With ``reduction="adasum"`` every payload travels to every replica (summable ones too:
+Adasum needs each replica's tensor, not their sum), each replica's row is decoded on its
+own, and the decoded tensors are combined with ``ops.adasum_reduce`` (same tree, same
+order, on every replica).
 """
 
-from typing import NamedTuple, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 
+from tf_adacomp import stats
 from tf_adacomp.compressors import base
-from tf_adacomp.ops import adacomp as adacomp_ops
+from tf_adacomp.compressors import registry
 from tf_adacomp.ops import adasum as adasum_ops
 
-REDUCTIONS = ("sum", "adasum")
+
+# --- Reductions ------------------------------------------------------------------------
+
+
+class Reduction:
+  """How the replicas' decoded contributions combine: a sum or their Adasum.
+
+  ``combine`` gives a total in the reduction's own units: for "sum" the sum of the
+  contributions, for "adasum" their Adasum (equal contributions give their mean,
+  orthogonal ones their sum). ``to_sum`` and ``to_mean`` turn that total into what a SUM
+  or a MEAN reduction of ``replicas`` contributions should return.
+  """
+
+  name: str = ""
+  # Whether summable payloads may be added by an all-reduce before decoding.
+  sums_payloads: bool = True
+
+  def combine(self, tensors: Sequence[tf.Tensor]) -> tf.Tensor:
+    raise NotImplementedError
+
+  def decode(self, decode_rows, rows: tf.Tensor) -> tf.Tensor:
+    """``decode_rows(rows)`` decodes ``[r, words]`` payload rows into the sum of their
+    contributions; this decodes the ``[replicas, words]`` ``rows`` and combines them."""
+    raise NotImplementedError
+
+  def to_sum(self, total, replicas: int):
+    raise NotImplementedError
+
+  def to_mean(self, total, replicas: int):
+    raise NotImplementedError
+
+  def __repr__(self):
+    return f"Reduction({self.name!r})"
+
+
+class _Sum(Reduction):
+  name = "sum"
+  sums_payloads = True
+
+  def combine(self, tensors):
+    total = tensors[0]
+    for t in tensors[1:]:  # replica order: bit-identical everywhere
+      total += t
+    return total
+
+  def decode(self, decode_rows, rows):
+    return decode_rows(rows)  # the compressor sums the rows in replica order
+
+  def to_sum(self, total, replicas):
+    return total
+
+  def to_mean(self, total, replicas):
+    return total / replicas
+
+
+class _Adasum(Reduction):
+  name = "adasum"
+  sums_payloads = False
+
+  def combine(self, tensors):
+    return adasum_ops.adasum_reduce(list(tensors))
+
+  def decode(self, decode_rows, rows):
+    return self.combine([decode_rows(rows[r:r + 1]) for r in range(int(rows.shape[0]))])
+
+  def to_sum(self, total, replicas):
+    return total * replicas
+
+  def to_mean(self, total, replicas):
+    return total
+
+
+SUM = _Sum()
+ADASUM = _Adasum()
+_REDUCTIONS = {r.name: r for r in (SUM, ADASUM)}
+REDUCTIONS = tuple(_REDUCTIONS)  # the names: ("sum", "adasum")
+
+
+def get_reduction(reduction) -> Reduction:
+  """The ``Reduction`` named ``reduction`` ("sum" or "adasum"; a ``Reduction`` passes).
+
+  Raises:
+    ValueError: any other value, named in the message.
+  """
+  if isinstance(reduction, Reduction):
+    return reduction
+  if isinstance(reduction, str) and reduction in _REDUCTIONS:
+    return _REDUCTIONS[reduction]
+  raise ValueError(f"`reduction` must be one of {REDUCTIONS}. Received: reduction={reduction!r}")
 
 
 def check_reduction(reduction) -> str:
-  """Returns ``reduction`` if it is one of ``REDUCTIONS``, else raises ValueError naming it."""
-  if reduction not in REDUCTIONS:
-    raise ValueError(f"`reduction` must be one of {REDUCTIONS}. Received: reduction={reduction!r}")
-  return reduction
+  """Returns the name of ``reduction`` if it is one of ``REDUCTIONS``, else ValueError."""
+  return get_reduction(reduction).name
+
+
+# --- The engine ------------------------------------------------------------------------
+
+
+class Outgoing(NamedTuple):
+  """What one replica sends in one exchange.
+
+  Attributes:
+    summable: ``{index: payload}``, dense payloads that may be added by an all-reduce.
+    gathered: ``{index: (payload, used)}``, compact int32 payloads of static length and
+      the number of their words that are used (only those are sent).
+    states: every gradient's new compressor state on this replica.
+  """
+  summable: Dict[int, tf.Tensor]
+  gathered: Dict[int, Tuple[tf.Tensor, tf.Tensor]]
+  states: list
+
+  def buffer(self) -> tf.Tensor:
+    """The used words of every compact payload, joined (int32, 1-D)."""
+    return tf.concat([payload[:used] for payload, used in self.gathered.values()], axis=0)
+
+  def lengths(self) -> tf.Tensor:
+    """int32 ``[compact payloads]``: the words of each in ``buffer()``."""
+    return tf.stack([used for _, used in self.gathered.values()])
 
 
 class Exchanged(NamedTuple):
   """Result of an exchange, one entry per gradient (None where the gradient is None).
 
   Attributes:
-    sums: the decoded sum over replicas of every gradient (with ``reduction="adasum"``,
-      their Adasum).
-    states: every gradient's new compressor state on this replica.
-    nbytes: int64 scalars, the bytes one replica sends for each gradient (its payload,
-      padded to the longest of any replica, plus 4 bytes of length).
+    sums: the decoded total over replicas of every gradient, in the reduction's units
+      (``Reduction.combine``: the sum, or with Adasum their Adasum).
+    states: every gradient's new compressor state on this replica (a list per replica
+      from ``local_exchange``).
+    nbytes: int64 scalars, the bytes one replica sent for each gradient
+      (``stats.exchange_nbytes``: all that crossed the wire, padding and lengths included).
   """
   sums: list
   states: list
   nbytes: list
 
 
-def _used_words(compressor, payload, plan):
-  return tf.cast(compressor.payload_nbytes(payload, plan) // 4, tf.int32)
+class Exchange:
+  """The compressed exchange of one compressor and one reduction (see module doc).
 
-
-def _dense_bits(grad):
-  """A float32 gradient as int32 words: the payload of a dense (warm-up) step."""
-  return tf.bitcast(tf.reshape(tf.cast(grad, tf.float32), [-1]), tf.int32)
-
-
-def _rows(data, lengths, index: int, width: int, replicas: int):
-  """The ``[replicas, width]`` payload rows of gradient ``index`` from gathered buffers.
+  Holds only hyper-parameters; compressor states (residues) are passed in and returned,
+  and their owner (an optimizer's per-replica variables, a cross-device op's per-device
+  variables, a simulation's per-learner variables) decides where they live.
 
   Args:
-    data: 1-D int32, every replica's concatenated trimmed payloads, in replica order.
-    lengths: int32 ``[replicas, gradients]``, the words of each trimmed payload.
-    index: which gradient.
+    compressor: a ``Compressor``, a registered name or a serialized compressor.
+    reduction: "sum" (default), "adasum" or a ``Reduction``.
+
+  Raises:
+    ValueError: unknown compressor or reduction.
+  """
+
+  def __init__(self, compressor="adacomp", reduction: Union[str, Reduction] = "sum"):
+    self.compressor = registry.get_compressor(compressor)
+    self.reduction = get_reduction(reduction)
+
+  # --- Stage 1: on each replica ------------------------------------------------------
+
+  def compress(self, plans: Sequence[base.TensorPlan], grads: Sequence[Optional[tf.Tensor]],
+               states: Sequence[tuple], dense=None) -> Outgoing:
+    """Compresses one replica's gradients.
+
+    Args:
+      plans: one ``TensorPlan`` per gradient.
+      grads: this replica's gradients (None entries are skipped).
+      states: each gradient's compressor state on this replica.
+      dense: optional scalar bool tensor; when true, compact payloads are replaced by
+        the float32 gradient (a warm-up step) and the states are kept as they are. The
+        same collectives run either way, so replicas never diverge in what they call.
+
+    Returns:
+      An ``Outgoing``.
+    """
+    summable, gathered, new_states = {}, {}, list(states)
+    for i, (grad, plan, state) in enumerate(zip(grads, plans, states)):
+      if grad is None:
+        continue
+      payload, new_states[i] = self.compressor.compress(grad, state, plan)
+      if plan.summable:
+        summable[i] = payload
+        continue
+      used = tf.cast(self.compressor.payload_nbytes(payload, plan) // 4, tf.int32)
+      if dense is not None:
+        payload, used, new_states[i] = _maybe_dense(dense, grad, payload, used, state,
+                                                    new_states[i])
+      gathered[i] = (payload, used)
+    return Outgoing(summable, gathered, new_states)
+
+  # --- Stage 2: moving payloads -------------------------------------------------------
+
+  def replica_exchange(self, plans, grads, states, dense=None) -> Exchanged:
+    """The whole exchange in a replica context, with the strategy's collectives.
+
+    Must be called in a replica context (inside ``strategy.run``, a Keras train step, or
+    with no strategy) by every replica, with gradients in the same order.
+
+    Args:
+      plans, grads, states, dense: as for ``compress``.
+
+    Returns:
+      An ``Exchanged`` for this replica.
+
+    Raises:
+      RuntimeError: called in a cross-replica context.
+    """
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None:
+      raise RuntimeError("replica_exchange must be called in a replica context "
+                         "(inside strategy.run or a Keras train step).")
+    out = self.compress(plans, grads, states, dense)
+    replicas = ctx.num_replicas_in_sync
+    summed = summable_rows = all_data = all_lengths = None
+    if out.summable and self.reduction.sums_payloads:
+      summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, list(out.summable.values()))
+    elif out.summable:
+      summable_rows = ctx.all_gather([p[None] for p in out.summable.values()], axis=0)
+    if out.gathered:
+      all_lengths = ctx.all_gather(out.lengths()[None], axis=0)
+      all_data = ctx.all_gather(out.buffer(), axis=0)
+    sums = self.decode(plans, out, replicas, dense, summed, summable_rows, all_data,
+                       all_lengths)
+    return Exchanged(sums, out.states, self.nbytes(plans, out, all_lengths))
+
+  def local_exchange(self, plans, grads: Sequence[Sequence], states: Sequence[Sequence],
+                     devices: Sequence[str], targets: Sequence[str], dense=None):
+    """The whole exchange in a cross-replica context, by copies between devices.
+
+    Args:
+      plans: one ``TensorPlan`` per gradient.
+      grads: per replica, its gradients (as for ``compress``).
+      states: per replica, each gradient's compressor state.
+      devices: per replica, the device it compresses on.
+      targets: the devices that receive the decoded totals.
+      dense: as for ``compress``.
+
+    Returns:
+      ``(totals, exchanged)``: ``totals[t]`` the decoded totals on ``targets[t]`` (one
+      per gradient, placed on that device); ``exchanged`` an ``Exchanged`` whose
+      ``sums`` are ``totals[0]`` and whose ``states`` are the replicas' new states.
+    """
+    outs, buffers, lengths = [], [], []
+    for replica_grads, replica_states, device in zip(grads, states, devices):
+      with tf.device(device):  # compressed and trimmed where the gradient is
+        out = self.compress(plans, replica_grads, replica_states, dense)
+        outs.append(out)
+        if out.gathered:
+          buffers.append(out.buffer())
+          lengths.append(out.lengths())
+    replicas = len(outs)
+    first = outs[0]
+    totals = []
+    for target in targets:
+      with tf.device(target):  # only payloads travel; each target decodes its own copy
+        summed = summable_rows = all_data = all_lengths = None
+        if first.summable and self.reduction.sums_payloads:
+          summed = [tf.add_n([o.summable[i] for o in outs]) for i in first.summable]
+        elif first.summable:
+          summable_rows = [tf.stack([o.summable[i] for o in outs]) for i in first.summable]
+        if first.gathered:
+          all_lengths = tf.stack(lengths)
+          all_data = tf.concat(buffers, axis=0)
+        totals.append(self.decode(plans, first, replicas, dense, summed, summable_rows,
+                                  all_data, all_lengths))
+    with tf.device(targets[0]):
+      nbytes = self.nbytes(plans, first, tf.stack(lengths) if first.gathered else None)
+    return totals, Exchanged(totals[0], [o.states for o in outs], nbytes)
+
+  # --- Stage 3: decoding and counting ---------------------------------------------------
+
+  def decode(self, plans, out: Outgoing, replicas: int, dense=None, summed=None,
+             summable_rows=None, all_data=None, all_lengths=None) -> List[Optional[tf.Tensor]]:
+    """Every gradient's decoded total from what all replicas sent.
+
+    Args:
+      plans: one ``TensorPlan`` per gradient.
+      out: this replica's ``Outgoing`` (which gradients went which way, static widths).
+      replicas: the number of replicas.
+      dense: as for ``compress``.
+      summed: the all-reduced summable payloads, in ``out.summable`` order (sum).
+      summable_rows: ``[replicas, ...]`` summable payloads, in ``out.summable`` order
+        (Adasum).
+      all_data: every replica's ``Outgoing.buffer()``, joined in replica order.
+      all_lengths: int32 ``[replicas, compact payloads]``, every replica's lengths.
+
+    Returns:
+      One decoded total per gradient (None where ``out`` has no payload).
+    """
+    sums = [None] * len(plans)
+    for k, i in enumerate(out.summable):
+      if summed is not None:
+        sums[i] = self.compressor.decompress(summed[k], plans[i])
+      else:
+        rows = tf.ensure_shape(summable_rows[k], [replicas, *out.summable[i].shape])
+        sums[i] = self.reduction.combine(
+            [self.compressor.decompress(rows[r], plans[i]) for r in range(replicas)])
+    for k, (i, (payload, _)) in enumerate(out.gathered.items()):
+      plan = plans[i]
+      rows = gathered_rows(all_data, all_lengths, k, int(payload.shape[0]), replicas)
+      sums[i] = self.reduction.decode(
+          lambda r, plan=plan: _decode(self.compressor, r, plan, dense), rows)
+    return sums
+
+  def nbytes(self, plans, out: Outgoing, all_lengths=None) -> list:
+    """The bytes one replica sent for each gradient (None where it sent nothing)."""
+    nbytes = [None] * len(plans)
+    for i, payload in out.summable.items():
+      nbytes[i] = self.compressor.payload_nbytes(payload, plans[i])
+    if out.gathered:
+      shares = stats.exchange_nbytes(all_lengths)
+      for k, i in enumerate(out.gathered):
+        nbytes[i] = shares[k]
+    return nbytes
+
+
+def replica_exchange(compressor: base.Compressor, plans: Sequence[base.TensorPlan],
+                     grads: Sequence[Optional[tf.Tensor]], states: Sequence[tuple],
+                     dense=None, reduction: str = "sum") -> Exchanged:
+  """Compresses this replica's gradients, exchanges payloads, decodes their totals.
+
+  The entry point for custom training loops: call it inside ``strategy.run`` (or with no
+  strategy) on every replica, with the gradients in the same order, and keep the
+  returned states for the next step::
+
+      exchanged = tf_adacomp.replica_exchange(compressor, plans, grads, states)
+      # exchanged.sums: the summed gradients; exchanged.states: the new residues
+
+  Args:
+    compressor: the ``Compressor``.
+    plans: one ``TensorPlan`` per gradient (``compressor.plan(shape, dtype, name)``).
+    grads: this replica's gradients (None entries are passed through as None).
+    states: each gradient's compressor state on this replica (``compressor.init(plan)``
+      at first, then the previous step's ``states``).
+    dense: optional scalar bool tensor; when true, compact payloads are sent as float32
+      (a warm-up step) and the states are kept.
+    reduction: "sum" (the replicas' gradients are added) or "adasum" (combined with
+      ``ops.adasum_reduce``; the caller scales the result as it needs).
+
+  Returns:
+    An ``Exchanged``.
+
+  Raises:
+    RuntimeError: called outside a replica context.
+    ValueError: unknown ``reduction``.
+  """
+  return Exchange(compressor, reduction).replica_exchange(plans, grads, states, dense)
+
+
+# --- Helpers ---------------------------------------------------------------------------
+
+
+def gathered_rows(data, lengths, index: int, width: int, replicas: int):
+  """The ``[replicas, width]`` payload rows of payload ``index`` from gathered buffers.
+
+  Args:
+    data: 1-D int32, every replica's joined trimmed payloads, in replica order.
+    lengths: int32 ``[replicas, payloads]``, the words of each trimmed payload.
+    index: which payload.
     width: the static payload length; rows are zero-padded to it.
     replicas: the number of replicas (collectives may not give it statically).
   """
@@ -85,81 +407,9 @@ def _rows(data, lengths, index: int, width: int, replicas: int):
   return tf.ensure_shape(rows, [replicas, width])
 
 
-def replica_exchange(compressor: base.Compressor, plans: Sequence[base.TensorPlan],
-                     grads: Sequence[Optional[tf.Tensor]], states: Sequence[tuple],
-                     dense=None, reduction: str = "sum") -> Exchanged:
-  """Compresses this replica's gradients, exchanges payloads, decodes their sums.
-
-  Must be called in a replica context by every replica, with gradients in the same
-  order.
-
-  Args:
-    compressor: the ``Compressor``.
-    plans: one ``TensorPlan`` per gradient.
-    grads: this replica's gradients (None entries are passed through as None).
-    states: each gradient's compressor state on this replica.
-    dense: optional scalar bool tensor; when true, non-summable gradients are sent
-      dense as float32 (a warm-up step) and their states are kept as they are. The
-      same collectives run either way, so replicas never diverge in what they call.
-    reduction: "sum" (the replicas' gradients are added) or "adasum" (combined with
-      ``ops.adasum_reduce``; the caller scales the result as it needs).
-
-  Returns:
-    An ``Exchanged``.
-
-  Raises:
-    RuntimeError: called outside a replica context.
-    ValueError: unknown ``reduction``.
-  """
-  adasum = check_reduction(reduction) == "adasum"
-  ctx = tf.distribute.get_replica_context()
-  if ctx is None:
-    raise RuntimeError("replica_exchange must be called in a replica context "
-                       "(inside strategy.run or a Keras train step).")
-  sums = [None] * len(grads)
-  new_states, nbytes = list(states), [None] * len(grads)
-  summable, gathered = {}, {}
-  for i, (grad, plan, state) in enumerate(zip(grads, plans, states)):
-    if grad is None:
-      continue
-    payload, new_states[i] = compressor.compress(grad, state, plan)
-    if plan.summable:
-      summable[i] = payload
-      nbytes[i] = compressor.payload_nbytes(payload, plan)
-    else:
-      used = _used_words(compressor, payload, plan)
-      if dense is not None:
-        payload, used, new_states[i] = _maybe_dense(dense, grad, payload, used, state,
-                                                    new_states[i])
-      gathered[i] = (payload, used)
-
-  replicas = ctx.num_replicas_in_sync
-  if summable and adasum:
-    # One batched all-gather of every payload, then Adasum of the decoded rows.
-    gathered_rows = ctx.all_gather([p[None] for p in summable.values()], axis=0)
-    for (i, payload), rows in zip(summable.items(), gathered_rows):
-      rows = tf.ensure_shape(rows, [replicas, *payload.shape])  # collectives lose it
-      sums[i] = adasum_ops.adasum_reduce(
-          [compressor.decompress(rows[r], plans[i]) for r in range(replicas)])
-  elif summable:
-    reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, list(summable.values()))
-    for i, total in zip(summable, reduced):
-      sums[i] = compressor.decompress(total, plans[i])
-
-  if gathered:
-    lengths = tf.stack([used for _, used in gathered.values()])
-    buffer = tf.concat([payload[:used] for payload, used in gathered.values()], axis=0)
-    all_lengths = ctx.all_gather(lengths[None], axis=0)
-    all_data = ctx.all_gather(buffer, axis=0)
-    for k, (i, (payload, _)) in enumerate(gathered.items()):
-      rows = _rows(all_data, all_lengths, k, int(payload.shape[0]), replicas)
-      if adasum:
-        sums[i] = adasum_ops.adasum_reduce(
-            [_decode(compressor, rows[r:r + 1], plans[i], dense) for r in range(replicas)])
-      else:
-        sums[i] = _decode(compressor, rows, plans[i], dense)
-      nbytes[i] = adacomp_ops.exchange_nbytes(4 * all_lengths[:, k])
-  return Exchanged(sums, new_states, nbytes)
+def _dense_bits(grad):
+  """A float32 gradient as int32 words: the payload of a dense (warm-up) step."""
+  return tf.bitcast(tf.reshape(tf.cast(grad, tf.float32), [-1]), tf.int32)
 
 
 def _maybe_dense(dense, grad, payload, used, state, new_state):
@@ -178,8 +428,10 @@ def _maybe_dense(dense, grad, payload, used, state, new_state):
 
 
 def _decode(compressor, rows, plan, dense):
+  """The sum of the contributions of ``rows``, compressed or (warm-up) float32 words."""
+  width = compressor.payload_width(plan)
   if dense is None:
-    return compressor.decompress(rows, plan)
+    return compressor.decompress(rows[:, :width], plan)
   n = plan.num_elements
 
   def decode_dense():
@@ -189,5 +441,4 @@ def _decode(compressor, rows, plan, dense):
       total += values[r]
     return tf.cast(tf.reshape(total, plan.shape), plan.dtype)
 
-  width = compressor.payload_width(plan)
   return tf.cond(dense, decode_dense, lambda: compressor.decompress(rows[:, :width], plan))

@@ -5,26 +5,32 @@
 
 Every all-reduce of the strategy's replicas (Keras' gradient all-reduce in
 ``model.fit``, ``ReplicaContext.all_reduce`` in a custom loop, ``strategy.reduce``)
-goes through it: floating-point tensors are compressed on their own device, with one
-residue per device and per tensor kept across steps, only the compact payloads are
-copied to the destination devices, and each destination decodes and sums them in
-device order (bit-identical on every device). IndexedSlices, integer tensors and
-tensors without a static shape are reduced exactly (uncompressed).
+goes through it: the floating-point tensors of one batch are compressed on their own
+device, with one residue per device and per tensor kept across steps, only the compact
+payloads are copied to the destination devices, and each destination decodes and sums
+them in device order (bit-identical on every device; each destination device holds its
+own result). This is ``collectives.Exchange.local_exchange``, the engine that the
+optimizer wrapper runs with collectives. IndexedSlices, integer tensors, scalars (losses,
+metric totals and counts) and tensors without a static shape are reduced exactly
+(uncompressed), under every compressor and reduction.
 
 With ``reduction="adasum"`` the devices' decoded tensors are combined with Adasum
 (``ops.adasum_reduce``) instead of added: a MEAN reduction returns their Adasum (equal tensors
 give their mean, orthogonal ones their sum) and a SUM reduction the number of devices
 times it (equal tensors give their sum, as SUM would). Keras' gradient all-reduce is a SUM
 of per-replica gradients each scaled by 1/replicas, so under ``model.fit`` this is the
-Adasum of the replicas' own mean gradients, as Horovod applies it. Scalars (losses,
-metric totals and counts) are still summed exactly: for three or more devices Adasum of
-scalars is not their sum, and Adasum is meant for gradients.
+Adasum of the replicas' own mean gradients, as Horovod applies it.
 
-Residues are keyed by the position of a tensor in its reduction and its shape and dtype;
-a training step must reduce its gradients in the same order every step, as Keras and
-the usual custom loops do. They live in this object, which is a ``tf.Module``: add it to
-a ``tf.train.Checkpoint`` to save and restore them (``model.save`` does not see them; use
-``CompressedOptimizer`` if they must travel with a Keras model).
+``start_step`` warm-up steps send compact payloads (AdaComp, FFT, top-k) as float32 and
+count those bytes; cast compressors (fp16, bf16) cast from the first step.
+
+Residues are keyed by the functions the reduction is traced in (their names, "eager"
+outside any), the position of a tensor in its batch of reductions, its shape and dtype:
+a training step must reduce its gradients in the same order every step, as Keras and the
+usual custom loops do, and two ``tf.function`` functions of different names never share a
+residue (two of one name, e.g. two lambdas, do). They live in this object, which is a
+``tf.Module``: add it to a ``tf.train.Checkpoint`` to save and restore them (``model.save`` does not see them; use ``CompressedOptimizer`` if they
+must travel with a Keras model).
 """
 
 import copy
@@ -38,8 +44,6 @@ from tensorflow.python.ops import resource_variable_ops
 from tf_adacomp import collectives
 from tf_adacomp import stats
 from tf_adacomp.compressors import registry
-from tf_adacomp.ops import adacomp as adacomp_ops
-from tf_adacomp.ops import adasum as adasum_ops
 
 
 class CompressedAllReduce(cross_device_ops_lib.CrossDeviceOps, tf.Module):
@@ -73,9 +77,10 @@ class CompressedAllReduce(cross_device_ops_lib.CrossDeviceOps, tf.Module):
     self.compressor = compressor
     self.start_step = start_step
     self.reduction = collectives.check_reduction(reduction)
+    self._exchange = collectives.Exchange(compressor, reduction)
     self._exact = cross_device_ops_lib.ReductionToOneDevice()
     self.residues = {}   # key -> [per device: [state variables]]
-    self.steps = {}      # key -> int64 variable: reductions done
+    self.steps = {}      # key of an exchange's first tensor -> int64 variable: reductions done
     self.nbytes = {}     # key -> int64 variable: bytes one device sent last time
     self._plans = {}     # key -> TensorPlan (static, not checkpointed)
 
@@ -93,13 +98,26 @@ class CompressedAllReduce(cross_device_ops_lib.CrossDeviceOps, tf.Module):
         reduce_op, [(per_replica_value, destinations)], options)[0]
 
   def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
-    results = []
+    results = [None] * len(value_destination_pairs)
+    compressed = []
     for index, (value, destinations) in enumerate(value_destination_pairs):
-      if _compressible(value) and not (self.reduction == "adasum" and _scalar(value)):
-        key = _key(len(value_destination_pairs), index, value.values[0])
-        results.append(self._reduce(reduce_op, value, destinations, key))
+      if _compressible(value):
+        compressed.append(index)
       else:
-        results.append(self._exact.reduce(reduce_op, value, destinations, options))
+        results[index] = self._exact.reduce(reduce_op, value, destinations, options)
+    # The compressible tensors of one batch (Keras' gradients) share one exchange, one
+    # destination set per exchange.
+    by_destinations = {}
+    for index in compressed:
+      destinations = value_destination_pairs[index][1]
+      targets = tuple(cross_device_ops_lib.get_devices_from(destinations))
+      by_destinations.setdefault(targets, []).append(index)
+    batch = _batch_key(value_destination_pairs)
+    for targets, indices in by_destinations.items():
+      values = [value_destination_pairs[i][0] for i in indices]
+      keys = [_key(batch, i, value_destination_pairs[i][0].values[0]) for i in indices]
+      for index, result in zip(indices, self._reduce(reduce_op, values, keys, list(targets))):
+        results[index] = result
     return results
 
   def _gather_implementation(self, per_replica_value, destinations, axis, options):
@@ -107,84 +125,48 @@ class CompressedAllReduce(cross_device_ops_lib.CrossDeviceOps, tf.Module):
 
   # --- The compressed reduction -----------------------------------------------------
 
-  def _reduce(self, reduce_op, value, destinations, key):
-    components = value.values
-    first = components[0]
-    plan = self.compressor.plan(first.shape, first.dtype, name=key)
-    self._plans[key] = plan
-    devices = [c.device for c in components]
-    residues = self._variables_for(key, plan, devices)
-    targets = cross_device_ops_lib.get_devices_from(destinations)
-
-    def compressed():
-      return self._compressed_sums(components, plan, residues, targets)
-
-    if self.start_step:
-      step = self.steps[key]
-      with tf.control_dependencies([step.assign_add(1)]):
-        sums = tf.cond(step.read_value() <= self.start_step,
-                       lambda: self._exact_sums(components, targets), compressed)
-    else:
-      sums = compressed()
-    if self.reduction == "adasum":
-      if reduce_op == tf.distribute.ReduceOp.SUM:
-        sums = [s * len(components) for s in sums]
-    elif reduce_op == tf.distribute.ReduceOp.MEAN:
-      sums = [s / len(components) for s in sums]
-    return distribute_utils.regroup(sums, wrap_class=values_lib.Mirrored)
-
-  def _compressed_sums(self, components, plan, residues, targets):
-    payloads, olds, news = [], [], []
-    for component, state_vars in zip(components, residues):
-      with tf.device(component.device):
-        old = tuple(v.read_value() for v in state_vars)
-        payload, new = self.compressor.compress(component, old, plan)
-        nbytes = self.compressor.payload_nbytes(payload, plan)
-        if not plan.summable:
-          # Only the used words leave the device.
-          payload = payload[:tf.cast(nbytes // 4, tf.int32)]
-        payloads.append((payload, nbytes))
-        olds.append(old)
-        news.append(new)
-    width = None if plan.summable else self.compressor.payload_width(plan)
-    sums = []
-    for target in targets:
-      with tf.device(target):
-        if self.reduction == "adasum":
-          sums.append(adasum_ops.adasum_reduce([self._decode_one(p, plan, width) for p, _ in payloads]))
-        elif plan.summable:
-          sums.append(self.compressor.decompress(tf.add_n([p for p, _ in payloads]), plan))
-        else:
-          rows = tf.stack([tf.pad(p, [[0, width - tf.shape(p)[0]]]) for p, _ in payloads])
-          sums.append(self.compressor.decompress(tf.ensure_shape(rows, [len(payloads), width]),
-                                                 plan))
-    # A non-finite sum changes nothing: every residue keeps its value.
-    finite = tf.reduce_all(tf.math.is_finite(sums[0]))
+  def _reduce(self, reduce_op, values, keys, targets):
+    """Reduces the per-device ``values`` (one exchange) onto ``targets``: one Mirrored
+    value per tensor, with one component on each target device."""
+    devices = [c.device for c in values[0].values]
+    plans = []
+    for value, key in zip(values, keys):
+      first = value.values[0]
+      self._plans[key] = self.compressor.plan(first.shape, first.dtype, name=key)
+      plans.append(self._plans[key])
+    residues = [self._variables_for(key, plan, devices) for key, plan in zip(keys, plans)]
+    grads = [[value.values[d] for value in values] for d in range(len(devices))]
+    states = [[tuple(v.read_value() for v in residues[t][d]) for t in range(len(values))]
+              for d in range(len(devices))]
+    dense = None
     updates = []
-    for state_vars, old, new, component in zip(residues, olds, news, components):
-      with tf.device(component.device):
-        updates += [v.assign(tf.where(finite, n, o)) for v, o, n in zip(state_vars, old, new)]
-    sent = tf.stack([b for _, b in payloads])
-    # Gathered payloads of varying length cost a length word and the longest payload.
-    updates.append(self.nbytes[plan.name].assign(
-        tf.reduce_max(sent) if plan.summable else adacomp_ops.exchange_nbytes(sent)))
+    if self.start_step:
+      step = self._step_for(keys)
+      updates.append(step.assign_add(1))
+      with tf.control_dependencies(updates):
+        dense = step.read_value() <= self.start_step
+    totals, exchanged = self._exchange.local_exchange(plans, grads, states, devices, targets,
+                                                      dense)
+    for t, key in enumerate(keys):
+      # A non-finite total changes nothing: every residue of that tensor keeps its value.
+      finite = tf.reduce_all(tf.math.is_finite(exchanged.sums[t]))
+      for d, device in enumerate(devices):
+        with tf.device(device):
+          updates += [v.assign(tf.where(finite, new, old)) for v, old, new in
+                      zip(residues[t][d], states[d][t], exchanged.states[d][t])]
+      updates.append(self.nbytes[key].assign(tf.cast(exchanged.nbytes[t], tf.int64)))
+    replicas = len(devices)
+    scale = (self._exchange.reduction.to_mean if reduce_op == tf.distribute.ReduceOp.MEAN
+             else self._exchange.reduction.to_sum)
+    results = []
     with tf.control_dependencies(updates):
-      return [tf.identity(s) for s in sums]
-
-  def _decode_one(self, payload, plan, width):
-    """One device's (trimmed) payload, decoded on its own (for Adasum)."""
-    if plan.summable:
-      return self.compressor.decompress(payload, plan)
-    row = tf.pad(payload, [[0, width - tf.shape(payload)[0]]])[None]
-    return self.compressor.decompress(tf.ensure_shape(row, [1, width]), plan)
-
-  def _exact_sums(self, components, targets):
-    sums = []
-    for target in targets:
-      with tf.device(target):
-        copies = [tf.identity(c) for c in components]
-        sums.append(adasum_ops.adasum_reduce(copies) if self.reduction == "adasum" else tf.add_n(copies))
-    return sums
+      for t in range(len(values)):
+        per_target = []
+        for target, target_totals in zip(targets, totals):
+          with tf.device(target):  # each destination keeps its own copy
+            per_target.append(tf.identity(scale(target_totals[t], replicas)))
+        results.append(distribute_utils.regroup(per_target, wrap_class=values_lib.Mirrored))
+    return results
 
   def _variables_for(self, key, plan, devices):
     """Per-device state variables for ``key``, created outside any function on first use."""
@@ -199,12 +181,19 @@ class CompressedAllReduce(cross_device_ops_lib.CrossDeviceOps, tf.Module):
                     name=f"residue_{d}")
                 for spec in self.compressor.state_specs(plan)])
         with tf.device(devices[0]):
-          self.steps[key] = resource_variable_ops.ResourceVariable(
-              tf.zeros([], tf.int64), trainable=False, name="steps")
           self.nbytes[key] = resource_variable_ops.ResourceVariable(
               tf.zeros([], tf.int64), trainable=False, name="nbytes")
         self.residues[key] = per_device
     return self.residues[key]
+
+  def _step_for(self, keys):
+    """The reductions counter of the exchange of ``keys`` (for the warm-up)."""
+    key = keys[0]
+    if key not in self.steps:
+      with tf.init_scope():
+        self.steps[key] = resource_variable_ops.ResourceVariable(
+            tf.zeros([], tf.int64), trainable=False, name="steps")
+    return self.steps[key]
 
   def bytes_sent(self):
     """``{key: bytes one device sent for that tensor in its last reduction}``."""
@@ -220,17 +209,29 @@ class CompressedAllReduce(cross_device_ops_lib.CrossDeviceOps, tf.Module):
 
 
 def _compressible(value) -> bool:
+  """Dense floating-point tensors of a static shape, scalars aside: losses, metric totals
+  and counts are always summed exactly, whatever the compressor or reduction."""
   if not isinstance(value, values_lib.DistributedValues):
     return False
   first = value.values[0]
   return (not isinstance(first, tf.IndexedSlices) and first.dtype.is_floating
-          and first.shape.is_fully_defined())
+          and first.shape.is_fully_defined() and first.shape.rank > 0)
 
 
-def _scalar(value) -> bool:
-  return value.values[0].shape.rank == 0
+def _batch_key(value_destination_pairs) -> str:
+  """What identifies a batch of reductions across steps: the functions it is traced in
+  (outermost first; "eager" outside any) and its size. Two ``tf.function`` functions of
+  different names (a training and an evaluation step) therefore never share residues,
+  while retracing one does."""
+  names = []
+  graph = tf.compat.v1.get_default_graph()
+  while graph is not None and not tf.executing_eagerly() and hasattr(graph, "outer_graph"):
+    names.append(graph.name)
+    graph = graph.outer_graph
+  scope = "/".join(reversed(names)) or "eager"
+  return f"{scope}/batch{len(value_destination_pairs)}"
 
 
-def _key(batch: int, index: int, tensor) -> str:
+def _key(batch: str, index: int, tensor) -> str:
   shape = "x".join(str(d) for d in tensor.shape) or "scalar"
-  return f"batch{batch}_{index}_{shape}_{tensor.dtype.name}"
+  return f"{batch}_{index}_{shape}_{tensor.dtype.name}"

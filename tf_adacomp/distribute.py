@@ -20,8 +20,10 @@ from typing import List, Optional, Sequence
 
 import tensorflow as tf
 
+from tf_adacomp import internals
 from tf_adacomp.compressors import get_compressor
 from tf_adacomp.keras_fixes import apply_keras_multi_worker_fix
+from tf_adacomp.ops import checks
 
 __all__ = ["mirrored_strategy", "multi_worker_strategy", "split_logical_devices", "tf_config"]
 
@@ -31,14 +33,6 @@ __all__ = ["mirrored_strategy", "multi_worker_strategy", "split_logical_devices"
 _COLLECTIVE_KEY_STEP = 100_000
 _COLLECTIVE_KEY_RANGES = 20_000
 _collective_key_counter = itertools.count(1)
-
-
-def _check_int(name, value, minimum):
-  if isinstance(value, bool) or not isinstance(value, int):
-    raise TypeError(f"`{name}` must be an int. Received: {name}={value!r} "
-                    f"of type {type(value).__name__}")
-  if value < minimum:
-    raise ValueError(f"`{name}` must be >= {minimum}. Received: {name}={value!r}")
 
 
 def split_logical_devices(count: int, device_type: str = "CPU",
@@ -69,7 +63,7 @@ def split_logical_devices(count: int, device_type: str = "CPU",
       existing configuration already has ``count`` logical devices, the call returns
       their names.)
   """
-  _check_int("count", count, 1)
+  count = checks.typed_int(count, "count", 1)
   if not isinstance(device_type, str):
     raise TypeError(f"`device_type` must be a str. Received: device_type={device_type!r}")
   kind = device_type.upper()
@@ -79,7 +73,7 @@ def split_logical_devices(count: int, device_type: str = "CPU",
     if memory_limit is None:
       raise ValueError("Logical GPUs need a `memory_limit` (MiB each). "
                        f"Received: memory_limit=None, device_type={device_type!r}")
-    _check_int("memory_limit", memory_limit, 1)
+    memory_limit = checks.typed_int(memory_limit, "memory_limit", 1)
   elif memory_limit is not None:
     raise ValueError("TensorFlow supports no memory limit on logical CPUs. "
                      f"Received: memory_limit={memory_limit!r}, device_type={device_type!r}")
@@ -128,7 +122,7 @@ def mirrored_strategy(compressor=None, devices: Optional[Sequence[str]] = None,
   process: after one strategy has trained a model, a second one over the same devices
   training a model of another size fails with "Shape mismatch in the collective
   instance 100", and aborts the collectives of the process. (The range is set through
-  ``MirroredStrategy._collective_key_base``, on the instance only.)
+  ``MirroredStrategy._collective_key_base``, on the instance only: see ``internals``.)
 
   Returns:
     ``tf.distribute.MirroredStrategy(devices)`` without a compressor; with one,
@@ -172,7 +166,7 @@ def _new_mirrored_strategy(devices, cross_device_ops=None):
   strategy = cls.__new__(cls)
   # MirroredExtended.__init__ reads the base from the strategy: set on this instance only.
   key_range = next(_collective_key_counter) % _COLLECTIVE_KEY_RANGES + 1
-  strategy._collective_key_base = key_range * _COLLECTIVE_KEY_STEP  # pylint: disable=protected-access
+  internals.set_collective_key_base(strategy, key_range * _COLLECTIVE_KEY_STEP)
   strategy.__init__(devices, cross_device_ops=cross_device_ops)
   return strategy
 
@@ -238,7 +232,7 @@ def tf_config(worker_addresses: Sequence[str], index: int) -> str:
   if len(set(worker_addresses)) != len(worker_addresses):
     raise ValueError(f"`worker_addresses` must not repeat an address. "
                      f"Received: worker_addresses={worker_addresses!r}")
-  _check_int("index", index, 0)
+  index = checks.typed_int(index, "index", 0)
   if index >= len(worker_addresses):
     raise ValueError(f"`index` must be < len(worker_addresses) = {len(worker_addresses)}. "
                      f"Received: index={index}")

@@ -76,6 +76,8 @@ import re
 import threading
 from typing import Callable, Dict, Tuple
 
+from tf_adacomp import internals
+
 __all__ = [
     "apply_keras_multi_worker_fix",
     "apply_keras_multi_worker_fix_for",
@@ -123,7 +125,7 @@ def _trainer_module():
   if keras.backend.backend() != "tensorflow":
     return None
   try:
-    from keras.src.backend.tensorflow import trainer  # pylint: disable=g-import-not-at-top
+    trainer = internals.keras_tensorflow_trainer()
   except ImportError:
     return None
   if not (hasattr(trainer, "TensorFlowTrainer") and hasattr(trainer, "reduce_per_replica")
@@ -159,12 +161,12 @@ def _is_multi_worker_mirrored(strategy) -> bool:
 
 
 def _make_symbolic_build(trainer, original):
+  import keras  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from keras.src import tree  # pylint: disable=g-import-not-at-top
 
   @functools.wraps(original)
   def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-    strategy = self._distribute_strategy  # pylint: disable=protected-access
+    strategy = internals.own_distribute_strategy(self)
     if iterator is None or not _is_multi_worker_mirrored(strategy):
       return original(self, iterator=iterator, data_batch=data_batch)
 
@@ -174,7 +176,7 @@ def _make_symbolic_build(trainer, original):
       return value
 
     for _, _, batches in iterator:  # the first batch only, as the original
-      data_batch = tree.map_structure(local_component, next(batches))
+      data_batch = keras.tree.map_structure(local_component, next(batches))
       break
     return original(self, iterator=None, data_batch=data_batch)
 
@@ -183,19 +185,18 @@ def _make_symbolic_build(trainer, original):
 
 
 def _make_reduce_per_replica(trainer, original):
-  from keras.src import tree  # pylint: disable=g-import-not-at-top
+  import keras  # pylint: disable=g-import-not-at-top
 
   in_multi_worker_mode = getattr(trainer, "_collective_all_reduce_multi_worker", None)
   if in_multi_worker_mode is None:  # a Keras without the helper: the same test
     def in_multi_worker_mode(strategy):
-      return (_is_multi_worker_mirrored(strategy)
-              and strategy.extended._in_multi_worker_mode())  # pylint: disable=protected-access
+      return _is_multi_worker_mirrored(strategy) and internals.in_multi_worker_mode(strategy)
 
   @functools.wraps(original)
   def reduce_per_replica(values, strategy, reduction):
     if reduction in ("auto", "mean") and in_multi_worker_mode(strategy):
       # "auto" is "mean" for every strategy but TPUStrategy, which is not multi-worker MWMS.
-      return tree.map_structure(lambda v: strategy.reduce("MEAN", v, axis=None), values)
+      return keras.tree.map_structure(lambda v: strategy.reduce("MEAN", v, axis=None), values)
     return original(values, strategy, reduction)
 
   setattr(reduce_per_replica, _MARK, REDUCE_PER_REPLICA)

@@ -6,7 +6,7 @@ Modelled on Keras' ``LossScaleOptimizer``. Two exchanges (``exchange=``; the def
 
 - ``"gradients"``: in each replica it compresses the gradients (residues are optimizer
   variables), exchanges the compact payloads with the strategy's collectives
-  (``collectives.replica_exchange``), decodes and sums them, and hands the sum to the
+  (``collectives.Exchange``), decodes and sums them, and hands the sum to the
   inner optimizer with the inner optimizer's own dense all-reduce switched off, so no
   gradient-sized tensor crosses devices. A step whose summed gradient is not finite
   (e.g. float16 overflow) changes nothing: the residues are restored and the inner
@@ -50,7 +50,6 @@ import math
 
 import keras
 import tensorflow as tf
-from keras.src.saving import serialization_lib
 
 from tf_adacomp import collectives
 from tf_adacomp import keras_fixes
@@ -172,6 +171,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     self.compressor = compressor
     self.start_step = start_step
     self.reduction = reduction
+    self._exchange = collectives.Exchange(compressor, reduction)
     self._adasum_mode_argument = adasum_mode
     self.exchange = exchange
     self.momentum_masking = momentum_masking
@@ -252,13 +252,12 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     if self.local_clipnorm is not None:
       # Each replica's own mean gradient is grads * replicas: clip it to local_clipnorm.
       grads = _clip_by_global_norm(grads, self.local_clipnorm / replicas)
-    exchanged = collectives.replica_exchange(self.compressor, plans, grads, states, dense,
-                                             reduction=self.reduction)
-    sums = exchanged.sums
-    if self.reduction == "adasum":
-      # Adasum of the replicas' own mean gradients: Keras divides each replica's loss by
-      # the replica count, and Adasum(c * g) = c * Adasum(g).
-      sums = [None if s is None else s * replicas for s in sums]
+    exchanged = self._exchange.replica_exchange(plans, grads, states, dense)
+    # Keras divides each replica's loss by the replica count, so the sum of the gradients
+    # is the mean gradient; with Adasum, Adasum(c * g) = c * Adasum(g) makes this the
+    # Adasum of the replicas' own mean gradients.
+    sums = [None if s is None else self._exchange.reduction.to_sum(s, replicas)
+            for s in exchanged.sums]
     finite = _all_finite(sums)
     self._keep_states(indices, states, exchanged.states, finite)
     self._record_bytes(indices, exchanged.nbytes)
@@ -286,11 +285,10 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     # Automatic control dependencies order these reads after the local step.
     deltas = [None if g is None else tf.convert_to_tensor(v) - b
               for g, v, b in zip(grads, variables, before)]
-    exchanged = collectives.replica_exchange(self.compressor, plans, deltas, states, dense,
-                                             reduction=self.reduction)
-    combined = exchanged.sums
-    if self.reduction == "sum":
-      combined = [None if s is None else s / replicas for s in combined]
+    exchanged = self._exchange.replica_exchange(plans, deltas, states, dense)
+    # The mean of the replicas' updates (or their Adasum).
+    combined = [None if s is None else self._exchange.reduction.to_mean(s, replicas)
+                for s in exchanged.sums]
     finite = tf.logical_and(stepped, _all_finite(combined))
     self._keep_states(indices, states, exchanged.states, finite)
     self._record_bytes(indices, exchanged.nbytes)
@@ -411,7 +409,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
   def get_config(self):
     return {
         "name": self.name,
-        "inner_optimizer": serialization_lib.serialize_keras_object(self.inner_optimizer),
+        "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
         "compressor": registry.serialize(self.compressor),
         "start_step": self.start_step,
         "reduction": self.reduction,
@@ -424,8 +422,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
   @classmethod
   def from_config(cls, config, custom_objects=None):
     config = dict(config)
-    inner = serialization_lib.deserialize_keras_object(config.pop("inner_optimizer"),
-                                                       custom_objects=custom_objects)
+    inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"),
+                                                  custom_objects=custom_objects)
     if "exchange" not in config and config.get("reduction", "sum") == "sum":
       # Saved before `exchange` existed: adasum_mode did nothing with reduction="sum"
       # (the gradient exchange ran), so keep that rather than refuse "delta" now.

@@ -13,10 +13,11 @@ and step ``W - 1`` reaches the peak.
 """
 
 import math
-import numbers
 
 import keras
 from keras import ops
+
+from tf_adacomp.ops import checks
 
 DECAYS = ("constant", "cosine", "step")
 
@@ -45,18 +46,15 @@ class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
   """
 
   def __init__(self, peak, total_steps, warmup_steps=0, decay="constant"):
-    if isinstance(peak, bool) or not isinstance(peak, (int, float)) or not (
-        math.isfinite(peak) and peak > 0):
-      raise ValueError(f"`peak` must be a finite number > 0. Received: peak={peak!r}")
-    for name, value, low in (("total_steps", total_steps, 1), ("warmup_steps", warmup_steps, 0)):
-      if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"`{name}` must be an integer >= {low}. Received: {name}={value!r}")
+    peak = checks.positive_number(peak, "peak")
+    total_steps = checks.positive_int(total_steps, "total_steps")
+    warmup_steps = checks.non_negative_int(warmup_steps, "warmup_steps")
     if warmup_steps > total_steps:
       raise ValueError(f"`warmup_steps` must be <= total_steps={total_steps}. "
                        f"Received: warmup_steps={warmup_steps}")
     if decay not in DECAYS:
       raise ValueError(f"`decay` must be one of {DECAYS}. Received: decay={decay!r}")
-    self.peak = float(peak)
+    self.peak = peak
     self.total_steps = total_steps
     self.warmup_steps = warmup_steps
     self.decay = decay
@@ -89,8 +87,7 @@ LEGW_DECAYS = ("poly", "exponential", "step")
 
 def _check_number(name, value, low, inclusive=True, high=None, integer=False):
   """``value`` as a float (int if ``integer``), else ValueError naming it and the value."""
-  kind = numbers.Integral if integer else numbers.Real
-  ok = not isinstance(value, bool) and isinstance(value, kind) and math.isfinite(value)
+  ok = (checks.is_int(value) if integer else checks.is_number(value)) and math.isfinite(value)
   ok = ok and (value >= low if inclusive else value > low) and (high is None or value <= high)
   if not ok:
     rule = f"{'an integer' if integer else 'a finite number'} {'>=' if inclusive else '>'} {low}"
@@ -106,7 +103,7 @@ def _check_boundaries(boundaries, warmup_epochs, total_epochs):
   except TypeError:
     epochs = None
   ok = bool(epochs) and all(
-      not isinstance(b, bool) and isinstance(b, numbers.Real) and math.isfinite(b)
+      checks.is_number(b) and math.isfinite(b)
       and warmup_epochs <= b <= total_epochs for b in epochs)
   if not (ok and all(a < b for a, b in zip(epochs, epochs[1:]))):
     raise ValueError(

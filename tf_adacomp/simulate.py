@@ -1,9 +1,9 @@
 """N learners simulated in one process: the compressed exchange without tf.distribute.
 
 Each learner computes the gradient of its shard of the batch, compresses it with its own
-state (residues), and the payloads are combined exactly as the real exchange combines
-them (summed when the plan is summable, otherwise stacked as a gathered payload and
-decoded in learner order), then averaged and applied. Useful to study how compression
+state (residues), and the payloads are combined by the package's own exchange
+(``collectives.Exchange.local_exchange``, as ``CompressedAllReduce`` runs it), then
+averaged and applied. Useful to study how compression
 affects accuracy and how many bytes it sends, on any machine.
 """
 
@@ -12,9 +12,9 @@ from typing import Dict
 import keras
 import tensorflow as tf
 
+from tf_adacomp import collectives
 from tf_adacomp import stats
 from tf_adacomp.compressors import registry
-from tf_adacomp.ops import adacomp as adacomp_ops
 
 
 class SimulatedLearners:
@@ -38,6 +38,7 @@ class SimulatedLearners:
     self.optimizer = optimizer
     self.loss = keras.losses.get(loss)
     self.compressor = registry.get_compressor(compressor)
+    self._exchange = collectives.Exchange(self.compressor)
     self.learners = learners
     variables = model.trainable_variables
     self.plans = [self.compressor.plan(v.shape, v.dtype, v.path) for v in variables]
@@ -48,30 +49,22 @@ class SimulatedLearners:
   def _train_step(self, x, y):
     variables = self.model.trainable_variables
     xs, ys = tf.split(x, self.learners), tf.split(y, self.learners)
-    payloads = [[] for _ in variables]
-    losses = []
+    grads, states, losses = [], [], []
     for learner in range(self.learners):
       with tf.GradientTape() as tape:
         loss = tf.reduce_mean(self.loss(ys[learner], self.model(xs[learner], training=True)))
       losses.append(loss)
-      grads = tape.gradient(loss, variables)
-      for i, (grad, plan) in enumerate(zip(grads, self.plans)):
-        state = tuple(v.read_value() for v in self.state[learner][i])
-        payload, new_state = self.compressor.compress(grad, state, plan)
-        for var, value in zip(self.state[learner][i], new_state):
+      grads.append(tape.gradient(loss, variables))
+      states.append([tuple(v.read_value() for v in s) for s in self.state[learner]])
+    # The package's exchange, with every learner on this device.
+    device = [""] * self.learners
+    _, exchanged = self._exchange.local_exchange(self.plans, grads, states, device, [""])
+    for learner in range(self.learners):
+      for state_vars, new in zip(self.state[learner], exchanged.states[learner]):
+        for var, value in zip(state_vars, new):
           var.assign(value)
-        payloads[i].append(payload)
-    averaged, sent = [], {}
-    for i, plan in enumerate(self.plans):
-      if plan.summable:
-        combined = tf.add_n(payloads[i])
-        per_learner = self.compressor.payload_nbytes(payloads[i][0], plan)
-      else:
-        combined = tf.stack(payloads[i])
-        per_learner = adacomp_ops.exchange_nbytes(tf.stack(
-            [self.compressor.payload_nbytes(p, plan) for p in payloads[i]]))
-      averaged.append(self.compressor.decompress(combined, plan) / self.learners)
-      sent[plan.name] = per_learner
+    averaged = [total / self.learners for total in exchanged.sums]
+    sent = {plan.name: nbytes for plan, nbytes in zip(self.plans, exchanged.nbytes)}
     self.optimizer.apply_gradients(zip(averaged, variables))
     return tf.add_n(losses) / self.learners, sent
 

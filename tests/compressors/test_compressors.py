@@ -1,5 +1,7 @@
 """Each compressor through the contract: error feedback, gathered decoding, casts, TopK."""
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -116,3 +118,21 @@ def test_adacomp_residues_are_at_least_float32(dtype):
   payload, (new_residue,) = compressor.compress(tf.ones([600], dtype), (residue,), plan)
   assert new_residue.dtype == residue.dtype
   assert compressor.decompress(payload, plan).dtype == dtype
+
+
+@pytest.mark.parametrize("name", ["adacomp", "topk", "fft"])
+@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16, tf.float32, tf.float64])
+def test_error_feedback_residues_have_the_residue_dtype_of_base(name, dtype):
+  from tf_adacomp.compressors import base  # pylint: disable=g-import-not-at-top
+  assert base.residue_dtype(dtype) == (tf.float64 if dtype == tf.float64 else tf.float32)
+  compressor = tf_adacomp.get_compressor(name)
+  residue = compressor.init(compressor.plan([600], dtype))[0]
+  assert residue.dtype == base.residue_dtype(dtype)
+
+
+def test_min_size_must_be_an_integer_at_least_0():
+  assert tf_adacomp.AdaComp(min_size=0).min_size == 0
+  for value in (-1, 1.5, True, None):
+    with pytest.raises(ValueError, match=re.escape(
+        f"`min_size` must be an integer >= 0. Received: min_size={value!r}")):
+      tf_adacomp.TopK(min_size=value)

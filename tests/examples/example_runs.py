@@ -7,8 +7,8 @@ import os
 
 import numpy as np
 
-from tf_adacomp.examples import common
 from tf_adacomp.examples import fashion_mnist
+from tf_adacomp.examples import flags_and_config
 
 SUMMARY_FIELDS = {
     "example", "compressor", "strategy", "replicas", "steps", "batch_size", "test_accuracy",
@@ -21,7 +21,7 @@ def small_config(example, model_dir, **overrides):
   settings = dict(replicas=2, epochs=1, steps_per_epoch=3, eval_steps=2, batch_size=8,
                   verbose=0, model_dir=str(model_dir))
   settings.update(overrides)
-  return common.make_config(example, **settings)
+  return flags_and_config.make_config(example, **settings)
 
 
 def check_summary(summary, model_dir, kinds):

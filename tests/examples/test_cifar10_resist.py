@@ -8,13 +8,14 @@ import tf_adacomp
 from tf_adacomp import resist
 from tf_adacomp.examples import cifar10_resist
 from tf_adacomp.examples import cifar10_resnet
-from tf_adacomp.examples import common
+from tf_adacomp.examples import flags_and_config
+from tf_adacomp.examples import training
 
 
 def test_trains_with_resist_and_reports_bytes_per_round(tmp_path):
   config = example_runs.small_config(cifar10_resist, tmp_path, synthetic=True, depth=14,
                                      width=4, local_steps=2)
-  summary = common.train(cifar10_resist, config)
+  summary = training.train(cifar10_resist, config)
   example_runs.check_summary(summary, tmp_path, kinds=())
   figures = summary["resist"]
   assert summary["method"] == "resist" and figures["rounds"] == 2  # 2 steps, then 1
@@ -27,8 +28,8 @@ def test_trains_with_resist_and_reports_bytes_per_round(tmp_path):
 
 
 def test_data_parallel_reports_the_references_on_the_same_model():
-  config = common.make_config(cifar10_resist, method="data_parallel", local_steps=10,
-                              compressor="adacomp")  # compression: data-parallel only
+  config = flags_and_config.make_config(cifar10_resist, method="data_parallel", local_steps=10,
+                                        compressor="adacomp")  # compression: data-parallel only
   (callback,) = cifar10_resist.callbacks(config)
   with tf_adacomp.distribute.mirrored_strategy(devices=["/cpu:0", "/cpu:1"]).scope():
     model = resist.resnet(14, width=4)
@@ -50,6 +51,6 @@ def test_data_parallel_reports_the_references_on_the_same_model():
     ({"min_blocks": -1}, "min_blocks=-1"),
 ])
 def test_bad_settings_are_named(overrides, match):
-  config = common.make_config(cifar10_resist, **overrides)
+  config = flags_and_config.make_config(cifar10_resist, **overrides)
   with pytest.raises(ValueError, match=match):
     cifar10_resist.callbacks(config)

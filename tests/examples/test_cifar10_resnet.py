@@ -7,7 +7,8 @@ import tensorflow_datasets as tfds
 
 import example_runs
 from tf_adacomp.examples import cifar10_resnet
-from tf_adacomp.examples import common
+from tf_adacomp.examples import flags_and_config
+from tf_adacomp.examples import training
 
 
 @pytest.mark.parametrize("depth,parameters", [(20, 0.27e6), (32, 0.46e6), (56, 0.85e6)])
@@ -40,7 +41,7 @@ def test_trains_on_the_tfds_pipeline(tmp_path):
     x, y = next(iter(data.train.batch(4)))
     assert x.shape == (4, 32, 32, 3) and y.dtype == tf.int32
     assert abs(float(tf.reduce_mean(x))) < 3.0  # normalised
-    summary = common.train(cifar10_resnet, config)
+    summary = training.train(cifar10_resnet, config)
   example_runs.check_summary(summary, tmp_path, kinds=("conv", "dense", "vector"))
   assert summary["compression_ratio"] == pytest.approx(2.0, rel=0.01)  # float16
   trainable = cifar10_resnet.resnet_cifar(20).trainable_weights
@@ -49,7 +50,8 @@ def test_trains_on_the_tfds_pipeline(tmp_path):
 
 def test_fashion_mnist_stands_in_for_cifar(tmp_path):
   example_runs.write_fashion_mnist(tmp_path)
-  config = common.make_config(cifar10_resnet, dataset="fashion_mnist", data_dir=str(tmp_path))
+  config = flags_and_config.make_config(cifar10_resnet, dataset="fashion_mnist",
+                                        data_dir=str(tmp_path))
   data = cifar10_resnet.load_data(config)
   x, _ = next(iter(data.test.batch(16)))
   assert data.train_size == 64 and x.shape == (16, 32, 32, 3)

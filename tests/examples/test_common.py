@@ -1,4 +1,5 @@
-"""The examples' shared module: settings, their checks, the strategy and the summary."""
+"""The examples' shared modules: settings, their checks, the optimizer, the strategy, the
+training run and the summary."""
 
 import json
 import math
@@ -7,23 +8,18 @@ import pytest
 
 import example_runs
 import tf_adacomp
-from tf_adacomp.examples import common
+from tf_adacomp.examples import distribution
 from tf_adacomp.examples import fashion_mnist
+from tf_adacomp.examples import flags_and_config
+from tf_adacomp.examples import optimizers
+from tf_adacomp.examples import report
 from tf_adacomp.examples import shakespeare_lstm
-
-
-def test_flag_choices_match_the_registered_compressors():
-  assert sorted(common.COMPRESSORS) == tf_adacomp.available_compressors()
-
-
-def test_flag_choices_match_the_library_reductions():
-  from tf_adacomp import collectives, optimizer  # pylint: disable=g-import-not-at-top
-  assert common.REDUCTIONS == collectives.REDUCTIONS
-  assert common.ADASUM_MODES == optimizer.ADASUM_MODES
+from tf_adacomp.examples import training
 
 
 def test_example_defaults_then_overrides():
-  config = common.make_config(shakespeare_lstm, batch_size=32, lstm_units=16, epochs=None)
+  config = flags_and_config.make_config(shakespeare_lstm, batch_size=32, lstm_units=16,
+                                        epochs=None)
   assert config.optimizer == "adam" and config.epochs == 10  # example defaults
   assert config.batch_size == 32 and config.options["lstm_units"] == 16
   assert config.options["seq_length"] == 100 and config.max_density == 0.25
@@ -57,46 +53,47 @@ def test_example_defaults_then_overrides():
 ])
 def test_bad_settings_are_named_with_the_value(overrides, match):
   with pytest.raises(ValueError, match=match):
-    common.make_config(fashion_mnist, **overrides)
+    flags_and_config.make_config(fashion_mnist, **overrides)
 
 
 def test_legw_schedule_scales_the_base_rate_and_warmup():
   """--learning_rate and --warmup_epochs are the base batch's; k = 1024/128 = 8."""
   import keras
-  config = common.make_config(fashion_mnist, lr_schedule="legw", base_batch_size=128,
-                              batch_size=1024, warmup_epochs=0.25, compressor="none")
+  config = flags_and_config.make_config(fashion_mnist, lr_schedule="legw",
+                                        base_batch_size=128, batch_size=1024,
+                                        warmup_epochs=0.25, compressor="none")
   assert config.learning_rate == 0.05 and config.epochs == 2  # the example's defaults
-  optimizer = common.make_optimizer(config, steps_per_epoch=58)  # 60,000 // 1024
+  optimizer = optimizers.make_optimizer(config, steps_per_epoch=58)  # 60,000 // 1024
   rate = keras.saving.deserialize_keras_object(optimizer.get_config()["learning_rate"])
   assert isinstance(rate, tf_adacomp.schedules.LEGW)
   assert rate.peak_learning_rate == pytest.approx(math.sqrt(8) * 0.05)
   assert rate.warmup_steps == round(8 * 0.25 * 58) and rate.total_steps == 2 * 58
   # Without --base_batch_size, k = 1: the flags' own values.
-  plain = common.make_optimizer(common.make_config(fashion_mnist, lr_schedule="legw",
-                                                   warmup_epochs=0.5, compressor="none"), 10)
+  plain = optimizers.make_optimizer(flags_and_config.make_config(
+      fashion_mnist, lr_schedule="legw", warmup_epochs=0.5, compressor="none"), 10)
   rate = keras.saving.deserialize_keras_object(plain.get_config()["learning_rate"])
   assert (rate.peak_learning_rate, rate.warmup_steps) == (pytest.approx(0.05), 5)
 
 
 def test_adasum_flags_reach_the_optimizer_and_the_cross_device_ops():
-  config = common.make_config(fashion_mnist, compressor="none", reduction="adasum",
-                              adasum_mode="delta")
-  optimizer = common.make_optimizer(config, steps_per_epoch=10)
+  config = flags_and_config.make_config(fashion_mnist, compressor="none", reduction="adasum",
+                                        adasum_mode="delta")
+  optimizer = optimizers.make_optimizer(config, steps_per_epoch=10)
   assert isinstance(optimizer, tf_adacomp.CompressedOptimizer)  # even without compression
   assert (optimizer.reduction, optimizer.adasum_mode) == ("adasum", "delta")
-  config = common.make_config(fashion_mnist, reduction="adasum", exchange="cross_device_ops",
-                              replicas=2)
-  strategy = common.make_strategy(config)
+  config = flags_and_config.make_config(fashion_mnist, reduction="adasum",
+                                        exchange="cross_device_ops", replicas=2)
+  strategy = distribution.make_strategy(config)
   assert strategy.extended._cross_device_ops.reduction == "adasum"  # pylint: disable=protected-access
-  assert not isinstance(common.make_optimizer(config, 10), tf_adacomp.CompressedOptimizer)
+  assert not isinstance(optimizers.make_optimizer(config, 10), tf_adacomp.CompressedOptimizer)
 
 
 def test_compressor_options_reach_the_compressor():
-  config = common.make_config(fashion_mnist, conv_bin_size=25, max_density=0.5)
-  compressor = common.make_compressor(config)
+  config = flags_and_config.make_config(fashion_mnist, conv_bin_size=25, max_density=0.5)
+  compressor = optimizers.make_compressor(config)
   assert (compressor.conv_bin_size, compressor.max_density) == (25, 0.5)
-  topk = common.make_compressor(common.make_config(fashion_mnist, compressor="topk",
-                                                   topk_density=0.05))
+  topk = optimizers.make_compressor(flags_and_config.make_config(
+      fashion_mnist, compressor="topk", topk_density=0.05))
   assert topk.density == 0.05
 
 
@@ -104,7 +101,7 @@ def test_cross_device_ops_exchange_trains_and_is_measured(tmp_path):
   """--exchange=cross_device_ops: CompressedAllReduce in the strategy, plain optimizer."""
   config = example_runs.small_config(fashion_mnist, tmp_path, synthetic=True,
                                      compressor="topk", exchange="cross_device_ops")
-  summary = common.train(fashion_mnist, config)
+  summary = training.train(fashion_mnist, config)
   example_runs.check_summary(summary, tmp_path, kinds=("conv", "dense"))
   assert summary["compression"]["dense"]["ratio"] > 10
 
@@ -113,10 +110,10 @@ def test_a_rerun_resumes_from_the_model_dir(tmp_path):
   """Weights, optimizer state and residues come back; training continues, not restarts."""
   first = example_runs.small_config(fashion_mnist, tmp_path, synthetic=True,
                                     compressor="topk")
-  common.train(fashion_mnist, first)
+  training.train(fashion_mnist, first)
   again = example_runs.small_config(fashion_mnist, tmp_path, synthetic=True,
                                     compressor="topk", epochs=2)
-  summary = common.train(fashion_mnist, again)
+  summary = training.train(fashion_mnist, again)
   assert summary["steps"] == 6  # 3 restored + 3 new
   assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 6
 
@@ -130,7 +127,7 @@ def test_format_summary_puts_runs_side_by_side():
             "bytes_sent_per_step": 400.0 / ratio, "dense_bytes_per_step": 400.0,
             "compression": {"total": entry, "conv": entry}, "train_seconds": 1.0,
             "wall_seconds": 2.0}
-  text = common.format_summary(fake("adacomp", 100.0), fake("none", 1.0))
+  text = report.format_summary(fake("adacomp", 100.0), fake("none", 1.0))
   row = next(line for line in text.splitlines() if line.startswith("  conv layers"))
   assert row.split()[-2:] == ["100.0x", "1.0x"]
   assert "dense float32 bytes / step" in text

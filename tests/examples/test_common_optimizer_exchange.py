@@ -3,25 +3,26 @@
 import pytest
 
 import tf_adacomp
-from tf_adacomp.examples import common
 from tf_adacomp.examples import fashion_mnist
+from tf_adacomp.examples import flags_and_config
+from tf_adacomp.examples import optimizers
 
 
 def test_the_flags_reach_the_optimizer():
-  config = common.make_config(fashion_mnist, optimizer_exchange="updates",
-                              momentum_masking=True, local_clipnorm=5.0)
-  optimizer = common.make_optimizer(config, steps_per_epoch=10)
+  config = flags_and_config.make_config(fashion_mnist, optimizer_exchange="updates",
+                                        momentum_masking=True, local_clipnorm=5.0)
+  optimizer = optimizers.make_optimizer(config, steps_per_epoch=10)
   assert (optimizer.exchange, optimizer.momentum_masking, optimizer.local_clipnorm) == (
       "updates", True, 5.0)
   # No compression, but local optimizer steps: still the wrapper.
-  config = common.make_config(fashion_mnist, compressor="none", optimizer_exchange="updates")
-  assert isinstance(common.make_optimizer(config, 10), tf_adacomp.CompressedOptimizer)
-  config = common.make_config(fashion_mnist, reduction="adasum", adasum_mode="delta")
-  assert common.make_optimizer(config, 10).exchange == "updates"
-  config = common.make_config(fashion_mnist, momentum_masking=True)  # the default exchange
-  assert common.make_optimizer(config, 10).exchange == "updates"
-  assert common.OPTIMIZER_EXCHANGES == tf_adacomp.optimizer.EXCHANGES
-  assert common.DEFAULT_OPTIMIZER_EXCHANGE == tf_adacomp.optimizer.DEFAULT_EXCHANGE
+  config = flags_and_config.make_config(fashion_mnist, compressor="none",
+                                        optimizer_exchange="updates")
+  assert isinstance(optimizers.make_optimizer(config, 10), tf_adacomp.CompressedOptimizer)
+  config = flags_and_config.make_config(fashion_mnist, reduction="adasum", adasum_mode="delta")
+  assert optimizers.make_optimizer(config, 10).exchange == "updates"
+  # The default exchange (updates, with --reduction=sum):
+  config = flags_and_config.make_config(fashion_mnist, momentum_masking=True)
+  assert optimizers.make_optimizer(config, 10).exchange == "updates"
 
 
 @pytest.mark.parametrize("overrides,match", [
@@ -37,4 +38,4 @@ def test_the_flags_reach_the_optimizer():
 ])
 def test_bad_settings_are_named_with_the_value(overrides, match):
   with pytest.raises(ValueError, match=match):
-    common.make_config(fashion_mnist, **overrides)
+    flags_and_config.make_config(fashion_mnist, **overrides)

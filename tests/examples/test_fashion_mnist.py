@@ -8,9 +8,11 @@ import tensorflow_datasets as tfds
 
 import example_runs
 from tf_adacomp.examples import fashion_mnist
+from tf_adacomp.examples import flags_and_config
+from tf_adacomp.examples import training
 
 HAVE_FILES = fashion_mnist.idx_directory(
-    fashion_mnist.common.make_config(fashion_mnist)) is not None
+    flags_and_config.make_config(fashion_mnist)) is not None
 needs_files = pytest.mark.skipif(not HAVE_FILES, reason="Debian's dataset-fashion-mnist is "
                                  "not installed (apt-get install dataset-fashion-mnist)")
 
@@ -38,7 +40,7 @@ def test_read_idx_rejects_other_files(tmp_path):
 
 def test_data_dir_with_idx_files_is_read(tmp_path):
   example_runs.write_fashion_mnist(tmp_path)
-  config = fashion_mnist.common.make_config(fashion_mnist, data_dir=str(tmp_path))
+  config = flags_and_config.make_config(fashion_mnist, data_dir=str(tmp_path))
   data = fashion_mnist.load_data(config)
   assert (data.train_size, data.test_size) == (64, 16)
   x, y = next(iter(data.test.batch(16)))
@@ -48,7 +50,7 @@ def test_data_dir_with_idx_files_is_read(tmp_path):
 
 def test_without_idx_files_tfds_is_used(tmp_path, monkeypatch):
   monkeypatch.setattr(fashion_mnist, "DEBIAN_DIR", str(tmp_path / "absent"))
-  config = fashion_mnist.common.make_config(fashion_mnist, data_dir=str(tmp_path))
+  config = flags_and_config.make_config(fashion_mnist, data_dir=str(tmp_path))
   with tfds.testing.mock_data(num_examples=12):
     data = fashion_mnist.load_data(config)
   assert (data.train_size, data.test_size) == (12, 12)
@@ -58,7 +60,7 @@ def test_without_idx_files_tfds_is_used(tmp_path, monkeypatch):
 
 @needs_files
 def test_the_installed_files_are_the_real_dataset():
-  arrays = fashion_mnist.load_arrays(fashion_mnist.common.make_config(fashion_mnist))
+  arrays = fashion_mnist.load_arrays(flags_and_config.make_config(fashion_mnist))
   assert arrays["train"][0].shape == (60000, 28, 28)
   assert arrays["test"][0].shape == (10000, 28, 28)
   assert np.bincount(arrays["train"][1]).tolist() == [6000] * 10
@@ -68,7 +70,7 @@ def test_trains_with_adacomp_and_writes_its_summary(tmp_path):
   """Real files when installed (synthetic data otherwise): a few AdaComp steps."""
   config = example_runs.small_config(fashion_mnist, tmp_path, compressor="adacomp",
                                      synthetic=not HAVE_FILES)
-  summary = fashion_mnist.common.train(fashion_mnist, config)
+  summary = training.train(fashion_mnist, config)
   example_runs.check_summary(summary, tmp_path, kinds=("conv", "dense", "vector"))
   assert summary["steps"] == 3 and summary["replicas"] == 2
   assert summary["compression"]["dense"]["ratio"] > 20

@@ -6,8 +6,9 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 import example_runs
-from tf_adacomp.examples import common
+from tf_adacomp.examples import flags_and_config
 from tf_adacomp.examples import imagenet_resnet50
+from tf_adacomp.examples import training
 
 
 def test_train_and_eval_images_have_the_size_and_are_normalised():
@@ -28,7 +29,7 @@ def test_eval_crop_is_central():
 
 
 def test_defaults_are_the_large_batch_recipe():
-  config = common.make_config(imagenet_resnet50)
+  config = flags_and_config.make_config(imagenet_resnet50)
   assert config.batch_size == 1024 and config.learning_rate == pytest.approx(0.1 * 1024 / 256)
   assert config.warmup_epochs == 5 and config.options["image_size"] == 224
 
@@ -38,6 +39,6 @@ def test_trains_on_the_tfds_pipeline(tmp_path):
       imagenet_resnet50, tmp_path, compressor="bf16", warmup_epochs=0, image_size=32,
       manual_dir=str(tmp_path / "manual"), data_dir=str(tmp_path / "tfds"))
   with tfds.testing.mock_data(num_examples=8):
-    summary = common.train(imagenet_resnet50, config)
+    summary = training.train(imagenet_resnet50, config)
   example_runs.check_summary(summary, tmp_path, kinds=("conv", "dense", "vector"))
   assert summary["parameters"] > 23e6  # ResNet-50 with 1000 classes

@@ -5,8 +5,9 @@ import pytest
 import tensorflow_datasets as tfds
 
 import example_runs
-from tf_adacomp.examples import common
+from tf_adacomp.examples import flags_and_config
 from tf_adacomp.examples import shakespeare_lstm
+from tf_adacomp.examples import training
 
 
 def test_windows_are_next_character_pairs():
@@ -29,7 +30,7 @@ def test_trains_with_adacomp_on_the_tfds_pipeline(tmp_path):
     x, y = next(iter(data.train.batch(2)))
     assert x.shape == (2, 4) and y.shape == (2, 4)
     np.testing.assert_array_equal(x[:, 1:], y[:, :-1])  # shifted by one character
-    summary = common.train(shakespeare_lstm, config)
+    summary = training.train(shakespeare_lstm, config)
   example_runs.check_summary(summary, tmp_path, kinds=("recurrent", "dense", "vector"))
   # The LSTM's kernel and recurrent kernel are "recurrent"; embedding and output "dense".
   assert summary["compression"]["recurrent"]["ratio"] > 5
@@ -42,7 +43,8 @@ def test_text_files_are_concatenated_and_split(tmp_path):
   train, test = shakespeare_lstm.read_text_files(f"{tmp_path}/*.txt")
   assert train + test == "A" * 70 + "KING. Speak.\n" * 10  # sorted by path
   assert len(test) == 200 - int(200 * 0.95)
-  config = common.make_config(shakespeare_lstm, text_files=f"{tmp_path}/*.txt", seq_length=4)
+  config = flags_and_config.make_config(shakespeare_lstm, text_files=f"{tmp_path}/*.txt",
+                                        seq_length=4)
   data = shakespeare_lstm.load_data(config)
   assert data.info["vocabulary_size"] == len(set(train)) + 1
 

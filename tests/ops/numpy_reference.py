@@ -1,4 +1,4 @@
-"""Independent NumPy reference for AdaComp (ALGORITHMS.md section 1) and its wire format.
+"""Independent NumPy reference for AdaComp (docs/algorithms.md#adacomp) and its wire format.
 
 Written from the maths and the documented contract only; nothing here imports
 tf_adacomp. bfloat16 values are handled with ml_dtypes (a TensorFlow dependency).

@@ -1,6 +1,6 @@
 """Tests of the AdaComp kernels (tf_adacomp.ops) against an independent NumPy reference.
 
-The reference (numpy_reference.py) is written from ALGORITHMS.md section 1 and the wire
+The reference (numpy_reference.py) is written from docs/algorithms.md#adacomp and the wire
 format contract; it shares no code with tf_adacomp. Payload codes are compared as a SET of
 (position, sign) pairs: their order in the payload is not part of the contract.
 """

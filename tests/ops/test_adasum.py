@@ -1,4 +1,4 @@
-"""ops.adasum against an independent NumPy reference (ALGORITHMS.md section 2)."""
+"""ops.adasum against an independent NumPy reference (docs/algorithms.md#adasum)."""
 
 import numpy as np
 import pytest

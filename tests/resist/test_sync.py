@@ -76,6 +76,23 @@ def test_the_optimizer_state_is_reset_and_the_step_count_kept():
   assert int(optimizer.iterations.numpy()) == 3
 
 
+def test_the_learning_rate_is_kept_constant_or_scheduled():
+  variable = keras.Variable(np.ones([3], np.float32))
+  optimizer = keras.optimizers.Adam(0.25)
+  optimizer.apply([tf.ones([3])], [variable])
+  rate = optimizer.learning_rate  # a variable, among optimizer.variables
+  reset = resist.reset_optimizer(optimizer)
+  assert all(v is not rate for v in reset) and len(reset) == 2  # both moments
+  assert float(rate.numpy()) == 0.25
+
+  schedule = keras.optimizers.schedules.ExponentialDecay(0.5, 10, 0.5)
+  optimizer = keras.optimizers.SGD(schedule, momentum=0.9)
+  optimizer.apply([tf.ones([3])], [variable])
+  reset = resist.reset_optimizer(optimizer)
+  assert [id(v) for v in reset] == [id(optimizer.momentums[0])]
+  assert int(optimizer.iterations.numpy()) == 1
+
+
 def test_local_gradients_are_each_replicas_own_mean_gradient():
   """Keras scales each replica's loss by 1/replicas; the hook undoes it, and sums nothing."""
   strategy = tf_adacomp.distribute.mirrored_strategy(devices=["/cpu:0", "/cpu:1"])

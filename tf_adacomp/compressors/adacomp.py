@@ -67,7 +67,7 @@ class AdaComp(base.Compressor):
   def init(self, plan):
     if plan.dense:
       return ()
-    return (tf.zeros(plan.shape, residue_dtype(plan.dtype)),)
+    return (tf.zeros(plan.shape, base.residue_dtype(plan.dtype)),)
 
   def _compress(self, grad, state, plan):
     (residue,) = state
@@ -95,8 +95,3 @@ class AdaComp(base.Compressor):
   def _scale_config(self):
     # Only when not the default: configs saved before the option existed stay equal.
     return {} if self.scale == "tensor" else {"scale": self.scale}
-
-
-def residue_dtype(grad_dtype: tf.DType) -> tf.DType:
-  """Residues accumulate many small updates: float32 at least, float64 for float64."""
-  return tf.float64 if grad_dtype == tf.float64 else tf.float32

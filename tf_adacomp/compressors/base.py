@@ -57,6 +57,11 @@ def infer_kind(shape: tf.TensorShape, name: str = "") -> str:
   return "vector"
 
 
+def residue_dtype(grad_dtype: tf.DType) -> tf.DType:
+  """Residues accumulate many small updates: float32 at least, float64 for float64."""
+  return tf.float64 if grad_dtype == tf.float64 else tf.float32
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorPlan:
   """Static description of how one gradient tensor is compressed.
@@ -102,9 +107,7 @@ class Compressor(abc.ABC):
   name: str = ""
 
   def __init__(self, min_size: int = 0):
-    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
-      raise ValueError(f"`min_size` must be an integer >= 0. Received: min_size={min_size!r}")
-    self.min_size = min_size
+    self.min_size = checks.non_negative_int(min_size, "min_size")
 
   # --- Static planning -----------------------------------------------------------
 

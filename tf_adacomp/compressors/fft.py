@@ -7,7 +7,6 @@ import tensorflow as tf
 
 from tf_adacomp.compressors import base
 from tf_adacomp.compressors import registry
-from tf_adacomp.compressors.adacomp import residue_dtype
 from tf_adacomp.ops import fft as fft_ops
 from tf_adacomp.ops import rangefloat
 
@@ -82,7 +81,7 @@ class FFTCompressor(base.Compressor):
     """``(zero residue, step 0)``, or ``()`` for a tensor sent dense."""
     if plan.dense:
       return ()
-    return (tf.zeros(plan.shape, residue_dtype(plan.dtype)), tf.zeros([], tf.int64))
+    return (tf.zeros(plan.shape, base.residue_dtype(plan.dtype)), tf.zeros([], tf.int64))
 
   def _compress(self, grad, state, plan):
     residue, step = state

@@ -5,7 +5,6 @@ import tensorflow as tf
 
 from tf_adacomp.compressors import base
 from tf_adacomp.compressors import registry
-from tf_adacomp.compressors.adacomp import residue_dtype
 from tf_adacomp.ops import checks
 from tf_adacomp.ops import topk as topk_ops
 
@@ -31,7 +30,7 @@ class TopK(base.Compressor):
     return shape.num_elements() == 0
 
   def init(self, plan):
-    return () if plan.dense else (tf.zeros(plan.shape, residue_dtype(plan.dtype)),)
+    return () if plan.dense else (tf.zeros(plan.shape, base.residue_dtype(plan.dtype)),)
 
   def _compress(self, grad, state, plan):
     (residue,) = state

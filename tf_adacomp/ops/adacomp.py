@@ -1,6 +1,6 @@
 """AdaComp (Chen et al., AAAI 2018) compress and decode kernels, compiled with XLA.
 
-Per tensor, with residue R and new gradient dW (ALGORITHMS.md section 1):
+Per tensor, with residue R and new gradient dW (docs/algorithms.md#adacomp):
 
     G = R + dW;  H = G + dW
     gmax[b] = max |G| over bin b of ``bin_size`` consecutive elements of the flat tensor
@@ -95,16 +95,12 @@ def payload_words(num_elements: int, max_density: float = 1.0, scale: str = "ten
           + bitpack.packed_words(capacity(num_elements, max_density), bits))
 
 
-def _compute_dtype(*dtypes):
-  return tf.float64 if tf.float64 in dtypes else tf.float32
-
-
 def _compress(grad, residue, bin_size: int, cap: int, per_bin: bool = False):
   if per_bin:
     return _compress_per_bin(grad, residue, bin_size, cap)
   n = grad.shape.num_elements()
   bits = index_bits(n) + 1
-  cd = _compute_dtype(grad.dtype, residue.dtype)
+  cd = checks.compute_dtype(grad.dtype, residue.dtype)
   dw = tf.cast(tf.reshape(grad, [-1]), cd)
   r = tf.cast(tf.reshape(residue, [-1]), cd)
   g = r + dw
@@ -151,7 +147,7 @@ def _compress_per_bin(grad, residue, bin_size: int, cap: int):
   n = grad.shape.num_elements()
   bits = index_bits(n) + 1
   bins = num_bins(n, bin_size)
-  cd = _compute_dtype(grad.dtype, residue.dtype)
+  cd = checks.compute_dtype(grad.dtype, residue.dtype)
   dw = tf.cast(tf.reshape(grad, [-1]), cd)
   r = tf.cast(tf.reshape(residue, [-1]), cd)
   g = r + dw
@@ -288,7 +284,7 @@ def _decompress(payload, shape: tf.TensorShape, dtype: tf.DType, bin_size=None):
   rows = payload if payload.shape.rank == 2 else payload[None]
   width = int(rows.shape[1])
   cap = (width - HEADER_WORDS) * 32 // bits
-  cd = _compute_dtype(dtype)
+  cd = checks.compute_dtype(dtype)
   total, bad = tf.zeros([n + 1], cd), tf.constant(False)
   # A fixed, sequential order over replicas: every replica adds the same floats in the
   # same order and gets a bit-identical sum.
@@ -314,7 +310,7 @@ def _decompress_per_bin(payload, shape: tf.TensorShape, dtype: tf.DType, bin_siz
   rows = payload if payload.shape.rank == 2 else payload[None]
   width = int(rows.shape[1])
   cap = max(width - start, 0) * 32 // bits
-  cd = _compute_dtype(dtype)
+  cd = checks.compute_dtype(dtype)
   total, bad = tf.zeros([n + 1], cd), tf.constant(False)
   for row in range(int(rows.shape[0])):  # replica order, as in _decompress
     count, marker = rows[row, 0], tf.bitcast(rows[row, 1], tf.float32)

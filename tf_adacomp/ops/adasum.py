@@ -1,6 +1,6 @@
 """Adasum (Maleki et al., MLSys 2021): adaptive summation of replicas' tensors, with XLA.
 
-For two tensors (ALGORITHMS.md section 2), with dot products and squared norms taken
+For two tensors (docs/algorithms.md#adasum), with dot products and squared norms taken
 over the whole tensor and accumulated in float64:
 
     Adasum(a, b) = (1 - a.b / (2 |a|^2)) a + (1 - a.b / (2 |b|^2)) b

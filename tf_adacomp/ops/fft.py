@@ -1,6 +1,6 @@
 """FFT-based gradient sparsification (Wang et al., HPDC 2020), compiled with XLA.
 
-Per tensor of n elements, with residue R (ALGORITHMS.md section 3, docs/fft.md):
+Per tensor of n elements, with residue R (docs/algorithms.md#fft, docs/fft.md):
 
     G = R + grad;  C = rfft(flat G)                      (m = n // 2 + 1 coefficients)
     keep the k = max(1, ceil((1 - theta) * m)) coefficients of largest |C|, zero the rest
@@ -36,7 +36,6 @@ and decoded sums come back in the gradient's dtype.
 """
 
 import math
-import numbers
 from typing import Optional
 
 import tensorflow as tf
@@ -68,10 +67,7 @@ def kept_count(num_elements: int, theta: float) -> int:
 
 def check_theta(value, name: str = "theta") -> float:
   """Returns ``value`` as a float in [0, 1), or raises ValueError naming it."""
-  if (isinstance(value, bool) or not isinstance(value, numbers.Real)
-      or not 0.0 <= float(value) < 1.0):
-    raise ValueError(f"`{name}` must be a number in [0, 1). Received: {name}={value!r}")
-  return float(value)
+  return checks.number_in_range(value, name, 0, 1, high_open=True)
 
 
 def _check_thetas(theta, final_theta):
@@ -90,16 +86,13 @@ def check_schedule(theta, final_theta, theta_decay_steps):
       ``final_theta`` other than ``theta`` with no steps to reach it.
   """
   theta, final = _check_thetas(theta, final_theta)
-  if (isinstance(theta_decay_steps, bool) or not isinstance(theta_decay_steps, numbers.Integral)
-      or theta_decay_steps < 0):
-    raise ValueError(f"`theta_decay_steps` must be an integer >= 0. "
-                     f"Received: theta_decay_steps={theta_decay_steps!r}")
+  theta_decay_steps = checks.non_negative_int(theta_decay_steps, "theta_decay_steps")
   if final != theta and theta_decay_steps == 0:
     # Otherwise the payload would be sized for a theta that is never used.
     raise ValueError(f"`theta_decay_steps` must be >= 1 when `final_theta` differs from "
                      f"`theta`. Received: theta_decay_steps=0, theta={theta!r}, "
                      f"final_theta={final_theta!r}")
-  return theta, final, int(theta_decay_steps)
+  return theta, final, theta_decay_steps
 
 
 def theta_at(step: int, theta: float, final_theta: Optional[float] = None,
@@ -155,10 +148,6 @@ def fft_payload_words(num_elements: int, theta: float, exponent_bits: int = 4,
 # --- Kernels -------------------------------------------------------------------------
 
 
-def _compute_dtype(*dtypes):
-  return tf.float64 if tf.float64 in dtypes else tf.float32
-
-
 def _step_count(step, m: int, cap: int, theta: float, final_theta: float, decay_steps: int):
   """k at ``step`` (int32), the float64 expression of ``theta_at``, bounded by ``cap``."""
   if decay_steps == 0 or final_theta == theta:
@@ -175,7 +164,7 @@ def _compress(grad, residue, step, cap: int, theta: float, final_theta: float,
   m = coefficient_count(n)
   ib = index_bits(m)
   vb = 1 + exponent_bits + mantissa_bits
-  cd = _compute_dtype(grad.dtype, residue.dtype)
+  cd = checks.compute_dtype(grad.dtype, residue.dtype)
   r = tf.cast(tf.reshape(residue, [-1]), cd)
   g = r + tf.cast(tf.reshape(grad, [-1]), cd)
   x = tf.cast(g, tf.float32)
@@ -275,7 +264,7 @@ def _decompress(payload, shape: tf.TensorShape, dtype: tf.DType, cap: int,
     values = rangefloat.decode(codes, top, exponent_bits, mantissa_bits)
     used = (slot < k) & (positions < m)
     total += _scatter(tf.where(used, positions, 0), values, used, m)
-  dense = tf.cast(tf.signal.irfft(total, fft_length=[n]), _compute_dtype(dtype))
+  dense = tf.cast(tf.signal.irfft(total, fft_length=[n]), checks.compute_dtype(dtype))
   dense = tf.where(bad, tf.constant(float("nan"), dense.dtype), dense)
   return tf.reshape(tf.cast(dense, dtype), shape)
 

@@ -26,10 +26,11 @@ compiles with XLA (the FFT kernels call it inside their compiled programs) and r
 eagerly too.
 """
 
-import numbers
 from typing import Tuple
 
 import tensorflow as tf
+
+from tf_adacomp.ops import checks
 
 MIN_EXPONENT_BITS, MAX_EXPONENT_BITS = 1, 8
 MIN_MANTISSA_BITS, MAX_MANTISSA_BITS = 0, 23
@@ -48,14 +49,10 @@ def check_format(exponent_bits, mantissa_bits) -> Tuple[int, int]:
   Raises:
     ValueError: either is not an integer in its range (the error names it and its value).
   """
-  for name, value, low, high in (
-      ("exponent_bits", exponent_bits, MIN_EXPONENT_BITS, MAX_EXPONENT_BITS),
-      ("mantissa_bits", mantissa_bits, MIN_MANTISSA_BITS, MAX_MANTISSA_BITS)):
-    if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
-        or not low <= value <= high):
-      raise ValueError(f"`{name}` must be an integer in [{low}, {high}]. "
-                       f"Received: {name}={value!r}")
-  return int(exponent_bits), int(mantissa_bits)
+  return (checks.int_in_range(exponent_bits, "exponent_bits", MIN_EXPONENT_BITS,
+                              MAX_EXPONENT_BITS),
+          checks.int_in_range(mantissa_bits, "mantissa_bits", MIN_MANTISSA_BITS,
+                              MAX_MANTISSA_BITS))
 
 
 def value_bits(exponent_bits: int, mantissa_bits: int) -> int:

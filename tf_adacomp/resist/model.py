@@ -24,11 +24,14 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_adacomp import internals
+from tf_adacomp.ops import checks
+
 STAGE_WIDTHS = (1, 2, 4)
 
 
 def _check_depth(depth):
-  if isinstance(depth, bool) or not isinstance(depth, int) or depth < 8 or (depth - 2) % 6:
+  if not checks.is_int(depth) or depth < 8 or (depth - 2) % 6:
     raise ValueError(f"`depth` must be 6n + 2 with n >= 1 (8, 14, 20, 32, 44, 56, 110). "
                      f"Received: depth={depth!r}")
 
@@ -58,8 +61,7 @@ class ResidualBlock(keras.layers.Layer):
   def __init__(self, filters, strides=1, partitionable=False, weight_decay=0.0, stage=0,
                **kwargs):
     super().__init__(**kwargs)
-    if isinstance(filters, bool) or not isinstance(filters, int) or filters < 1:
-      raise ValueError(f"`filters` must be an int >= 1. Received: filters={filters!r}")
+    checks.int_at_least(filters, "filters", 1, word="int")
     if strides not in (1, 2):
       raise ValueError(f"`strides` must be 1 or 2. Received: strides={strides!r}")
     if not weight_decay >= 0:
@@ -168,9 +170,8 @@ def resnet(depth: int = 20, num_classes: int = 10, input_shape: Sequence[int] = 
       ``weight_decay`` < 0.
   """
   _check_depth(depth)
-  for argument, value in (("width", width), ("num_classes", num_classes)):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise ValueError(f"`{argument}` must be an int >= 1. Received: {argument}={value!r}")
+  checks.int_at_least(width, "width", 1, word="int")
+  checks.int_at_least(num_classes, "num_classes", 1, word="int")
   if not weight_decay >= 0:
     raise ValueError(f"`weight_decay` must be >= 0. Received: weight_decay={weight_decay!r}")
   blocks = (depth - 2) // 6
@@ -193,7 +194,7 @@ def resnet(depth: int = 20, num_classes: int = 10, input_shape: Sequence[int] = 
 
 def partitionable_blocks(model: keras.Model) -> List[ResidualBlock]:
   """The model's partitionable ``ResidualBlock`` layers, stage by stage, in model order."""
-  layers = model._flatten_layers(include_self=False)  # pylint: disable=protected-access
+  layers = internals.flatten_layers(model)
   blocks = [layer for layer in layers
             if isinstance(layer, ResidualBlock) and layer.partitionable]
   for block in blocks:

@@ -12,12 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-
-def _check_int(name, value, minimum):
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise TypeError(f"`{name}` must be an int. Received: {name}={value!r}")
-  if value < minimum:
-    raise ValueError(f"`{name}` must be >= {minimum}. Received: {name}={value!r}")
+from tf_adacomp.ops import checks
 
 
 def _check_stages(blocks_per_stage):
@@ -25,7 +20,7 @@ def _check_stages(blocks_per_stage):
     raise TypeError("`blocks_per_stage` must be a sequence of ints. "
                     f"Received: blocks_per_stage={blocks_per_stage!r}")
   for count in blocks_per_stage:
-    if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
+    if not checks.is_int(count) or count < 0:
       raise ValueError("`blocks_per_stage` must hold ints >= 0. "
                        f"Received: blocks_per_stage={blocks_per_stage!r}")
   return [int(c) for c in blocks_per_stage]
@@ -55,10 +50,10 @@ def deal(blocks_per_stage: Sequence[int], replicas: int, round_index: int, seed:
     ValueError: a count out of range (named, with the value).
   """
   stages = _check_stages(blocks_per_stage)
-  _check_int("replicas", replicas, 1)
-  _check_int("round_index", round_index, 0)
-  _check_int("seed", seed, 0)
-  _check_int("min_blocks", min_blocks, 0)
+  checks.typed_int(replicas, "replicas", 1)
+  checks.typed_int(round_index, "round_index", 0)
+  checks.typed_int(seed, "seed", 0)
+  checks.typed_int(min_blocks, "min_blocks", 0)
   num_blocks = sum(stages)
   if min_blocks > num_blocks:
     raise ValueError(f"`min_blocks` must be <= the number of partitionable blocks "
@@ -80,8 +75,8 @@ def deal(blocks_per_stage: Sequence[int], replicas: int, round_index: int, seed:
 
 def everything(num_blocks: int, replicas: int) -> np.ndarray:
   """The table of local SGD: every replica holds every block."""
-  _check_int("num_blocks", num_blocks, 0)
-  _check_int("replicas", replicas, 1)
+  checks.typed_int(num_blocks, "num_blocks", 0)
+  checks.typed_int(replicas, "replicas", 1)
   return np.ones([replicas, num_blocks], bool)
 
 
@@ -95,9 +90,9 @@ def inference_scale(replicas: int, num_blocks: int, min_blocks: int = 0) -> floa
   Raises:
     TypeError, ValueError: a count out of range (named, with the value).
   """
-  _check_int("replicas", replicas, 1)
-  _check_int("num_blocks", num_blocks, 0)
-  _check_int("min_blocks", min_blocks, 0)
+  checks.typed_int(replicas, "replicas", 1)
+  checks.typed_int(num_blocks, "num_blocks", 0)
+  checks.typed_int(min_blocks, "min_blocks", 0)
   if min_blocks > num_blocks:
     raise ValueError(f"`min_blocks` must be <= num_blocks={num_blocks}. "
                      f"Received: min_blocks={min_blocks}")

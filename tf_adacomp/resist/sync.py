@@ -6,7 +6,7 @@ buffer (variable length: it depends on the blocks held), with the length of ever
 (shared, block 0, block 1, ...; 0 for a block not held) beside it. Two all-gathers
 (the lengths, then the buffers: the collective pads every buffer to the longest and
 returns them back to back) give every replica all of them; each replica rebuilds the
-``[replicas, words]`` rows of every segment (``collectives._rows``), sums the rows in
+``[replicas, words]`` rows of every segment (``collectives.gathered_rows``), sums the rows in
 replica order (a row not held is zeros) and divides by the number of holders, so every
 replica computes bit-identical averages. Each replica then sets its own copy of every
 variable, with no further communication.
@@ -24,10 +24,11 @@ import numpy as np
 import tensorflow as tf
 
 from tf_adacomp import collectives
+from tf_adacomp import stats
 
 WORD_BYTES = 4  # float32 values and int32 lengths
 # The rows of one segment out of the gathered buffers: the compressed exchange's own.
-_rows = collectives._rows  # pylint: disable=protected-access
+_rows = collectives.gathered_rows
 
 
 class RoundBytes(NamedTuple):
@@ -44,12 +45,10 @@ class RoundBytes(NamedTuple):
 
 
 def round_bytes(lengths) -> RoundBytes:
-  """``RoundBytes`` of a round from its ``[replicas, segments]`` lengths (words)."""
-  lengths = np.asarray(lengths, np.int64)
-  header = WORD_BYTES * lengths.shape[1]
-  words = lengths.sum(axis=1)
-  return RoundBytes(sent=(WORD_BYTES * words + header).astype(np.float64),
-                    padded=float(WORD_BYTES * words.max() + header))
+  """``RoundBytes`` of a round from its ``[replicas, segments]`` lengths (words), by the
+  package's byte model (``stats.gather_nbytes``)."""
+  sent, padded = stats.gather_nbytes(lengths)
+  return RoundBytes(sent=sent, padded=padded)
 
 
 def _tf_variable(variable):
@@ -168,7 +167,7 @@ def reset_optimizer(optimizer: keras.optimizers.Optimizer) -> List:
     The variables that were reset.
   """
   keep = {id(optimizer.iterations)}
-  rate = getattr(optimizer, "_learning_rate", None)
+  rate = optimizer.learning_rate  # the variable itself, unless a schedule computes it
   if isinstance(rate, keras.Variable):
     keep.add(id(rate))
   reset = [v for v in optimizer.variables

@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from tf_adacomp.optimizer import ALL_REDUCE_HOOK
 from tf_adacomp.optimizer import CompressedOptimizer
+from tf_adacomp.ops import checks
 from tf_adacomp.resist import model as model_lib
 from tf_adacomp.resist import partition as partition_lib
 from tf_adacomp.resist import sync
@@ -73,8 +74,7 @@ def communication(model: keras.Model, replicas: int, local_steps: int = 50,
   Raises:
     ValueError: an argument out of range (named, with the value).
   """
-  if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
-    raise ValueError(f"`local_steps` must be an int >= 1. Received: local_steps={local_steps!r}")
+  local_steps = checks.int_at_least(local_steps, "local_steps", 1, word="int")
   shared, blocks = _synced_variables(model)
   shared_words = sum(int(np.prod(v.shape)) for v in shared)
   block_words = np.array([sum(int(np.prod(v.shape)) for v in b) for b in blocks], np.int64)
@@ -123,13 +123,9 @@ class ResIST(keras.callbacks.Callback):
   def __init__(self, local_steps: int = 50, min_blocks: int = 0, seed: int = 0,
                partition: bool = True):
     super().__init__()
-    for name, value, minimum in (("local_steps", local_steps, 1),
-                                 ("min_blocks", min_blocks, 0), ("seed", seed, 0)):
-      if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`{name}` must be an int >= {minimum}. Received: {name}={value!r}")
-    self.local_steps = local_steps
-    self.min_blocks = min_blocks
-    self.seed = seed
+    self.local_steps = checks.int_at_least(local_steps, "local_steps", 1, word="int")
+    self.min_blocks = checks.int_at_least(min_blocks, "min_blocks", 0, word="int")
+    self.seed = checks.int_at_least(seed, "seed", 0, word="int")
     self.partition = bool(partition)
     self.rounds = 0          # exchanges so far (all fits)
     self.round_bytes = []    # sync.RoundBytes of each exchange

@@ -1,0 +1,55 @@
+"""The compressor and the optimizer of a run: ``tf_adacomp`` objects built from its ``Config``.
+
+``config`` arguments are ``flags_and_config.Config`` instances (that module is not
+imported here: its ``validate`` calls ``make_compressor``).
+"""
+
+import keras
+
+import tf_adacomp
+
+
+def make_compressor(config):
+  """The ``tf_adacomp`` compressor the flags describe."""
+  options = {}
+  if config.compressor == "adacomp":
+    options = dict(conv_bin_size=config.conv_bin_size, dense_bin_size=config.dense_bin_size,
+                   recurrent_bin_size=config.recurrent_bin_size,
+                   max_density=config.max_density)
+  elif config.compressor == "topk":
+    options = dict(density=config.topk_density)
+  elif config.compressor == "fft":
+    options = dict(theta=config.fft_theta, final_theta=config.fft_final_theta,
+                   theta_decay_steps=config.fft_theta_decay_steps)
+  return tf_adacomp.get_compressor(config.compressor, **options)
+
+
+def make_optimizer(config, steps_per_epoch: int):
+  """The inner Keras optimizer, wrapped in a ``CompressedOptimizer`` when compressing."""
+  total = config.epochs * steps_per_epoch
+  if config.lr_schedule == "legw":
+    # --learning_rate and --warmup_epochs are the base batch's: LEGW scales them.
+    rate = tf_adacomp.schedules.LEGW(
+        config.learning_rate, config.base_batch_size or config.batch_size, config.batch_size,
+        config.warmup_epochs, steps_per_epoch, config.epochs)
+  else:
+    rate = tf_adacomp.schedules.WarmupDecay(
+        config.learning_rate, total_steps=total, decay=config.lr_schedule,
+        warmup_steps=int(round(config.warmup_epochs * steps_per_epoch)))
+  if config.optimizer == "sgd":
+    inner = keras.optimizers.SGD(rate, momentum=0.9)
+  else:
+    inner = keras.optimizers.Adam(rate)
+  plain = (config.compressor == "none" and config.reduction == "sum"
+           and config.optimizer_exchange in (None, "gradients")
+           and config.local_clipnorm is None)
+  if plain or config.exchange == "cross_device_ops":
+    return inner
+  return tf_adacomp.CompressedOptimizer(
+      inner, make_compressor(config), start_step=config.start_step,
+      reduction=config.reduction,
+      # "gradient" is the flag's default: only "delta" says something --optimizer_exchange
+      # does not.
+      adasum_mode="delta" if config.adasum_mode == "delta" else None,
+      exchange=config.optimizer_exchange, momentum_masking=config.momentum_masking,
+      local_clipnorm=config.local_clipnorm)
