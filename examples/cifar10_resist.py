@@ -23,6 +23,7 @@ from tf_adacomp.examples import cifar10_resnet  # the data, --depth and --datase
 from tf_adacomp.examples import distribution
 from tf_adacomp.examples import flags_and_config
 from tf_adacomp.examples import training
+from tf_adacomp.ops import checks
 
 flags.adopt_module_key_flags(flags_and_config)  # --help lists the shared flags too
 flags.adopt_module_key_flags(cifar10_resnet)
@@ -53,9 +54,7 @@ def _options(config):
   if options["method"] not in METHODS:
     raise ValueError(f"`method` must be one of {METHODS}. Received: method={options['method']!r}")
   for name, minimum in (("local_steps", 1), ("min_blocks", 0), ("width", 1)):
-    value = options[name]
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-      raise ValueError(f"`{name}` must be an int >= {minimum}. Received: {name}={value!r}")
+    checks.int_at_least(options[name], name, minimum, word="int")
   if options["method"] != "data_parallel":
     for name, plain in (("compressor", "none"), ("reduction", "sum")):
       if getattr(config, name) != plain:

@@ -96,9 +96,9 @@ def test_the_documented_custom_loop_trains_and_keeps_replicas_equal():
 
   step = tf.function(lambda x, y: strategy.run(replica_step, args=(x, y)))
   dataset = strategy.experimental_distribute_dataset(
-      tf.data.Dataset.from_tensor_slices((x[:1024], y[:1024])).batch(64).repeat(3))
+      tf.data.Dataset.from_tensor_slices((x[:1024], y[:1024])).batch(64).repeat(6))
   losses = [float(strategy.reduce("SUM", step(a, b), axis=None)) for a, b in dataset]
-  assert np.mean(losses[-8:]) < 0.7 * np.mean(losses[:8])
+  assert np.mean(losses[-8:]) < 0.8 * np.mean(losses[:8]), losses
   for variable in variables:
     copies = [v.numpy() for v in variable.value.values]
     np.testing.assert_array_equal(copies[0], copies[1])

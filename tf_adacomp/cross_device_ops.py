@@ -44,6 +44,7 @@ from tensorflow.python.ops import resource_variable_ops
 from tf_adacomp import collectives
 from tf_adacomp import stats
 from tf_adacomp.compressors import registry
+from tf_adacomp.ops import checks
 
 
 class CompressedAllReduce(cross_device_ops_lib.CrossDeviceOps, tf.Module):
@@ -72,8 +73,7 @@ class CompressedAllReduce(cross_device_ops_lib.CrossDeviceOps, tf.Module):
       config = registry.serialize(compressor)
       config["config"]["min_size"] = min_size
       compressor = registry.get_compressor(config)
-    if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
-      raise ValueError(f"`start_step` must be an integer >= 0. Received: start_step={start_step!r}")
+    start_step = checks.non_negative_int(start_step, "start_step")
     self.compressor = compressor
     self.start_step = start_step
     self.reduction = collectives.check_reduction(reduction)

@@ -46,8 +46,6 @@ choice and stays accepted: ``adasum_mode="delta"`` is ``exchange="updates"``,
 ``adasum_mode="gradient"`` is ``exchange="gradients"``.
 """
 
-import math
-
 import keras
 import tensorflow as tf
 
@@ -55,6 +53,7 @@ from tf_adacomp import collectives
 from tf_adacomp import keras_fixes
 from tf_adacomp import stats
 from tf_adacomp.compressors import registry
+from tf_adacomp.ops import checks
 
 # Keras' base optimizer arguments and their defaults (tests/test_optimizer.py checks them
 # against Keras' signature). Keras passes the defaults back when deserializing; any other
@@ -156,8 +155,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
           f"(`{ALL_REDUCE_HOOK}` of Keras' TensorFlow optimizers), which this "
           f"optimizer does not have (Keras {keras.__version__}, backend "
           f"{keras.backend.backend()}). Received: inner_optimizer={inner_optimizer!r}")
-    if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
-      raise ValueError(f"`start_step` must be an integer >= 0. Received: start_step={start_step!r}")
+    start_step = checks.non_negative_int(start_step, "start_step")
     reduction = collectives.check_reduction(reduction)
     exchange = _resolve_exchange(reduction, adasum_mode, exchange)
     local_clipnorm = _check_local_clipnorm(local_clipnorm)
@@ -474,21 +472,12 @@ def _resolve_exchange(reduction, adasum_mode, exchange):
 
 
 def _check_local_clipnorm(local_clipnorm):
-  if local_clipnorm is None:
-    return None
-  if (isinstance(local_clipnorm, bool) or not isinstance(local_clipnorm, (int, float))
-      or not math.isfinite(local_clipnorm) or local_clipnorm <= 0):
-    raise ValueError(f"`local_clipnorm` must be None or a finite number > 0. "
-                     f"Received: local_clipnorm={local_clipnorm!r}")
-  return float(local_clipnorm)
+  return checks.positive_number(local_clipnorm, "local_clipnorm", optional=True)
 
 
 def _check_momentum_masking(momentum_masking, exchange, inner_optimizer, compressor):
   """Raises ValueError unless ``momentum_masking`` is a bool that can apply here."""
-  if not isinstance(momentum_masking, bool):
-    raise ValueError(f"`momentum_masking` must be True or False. "
-                     f"Received: momentum_masking={momentum_masking!r}")
-  if not momentum_masking:
+  if not checks.boolean(momentum_masking, "momentum_masking"):
     return
   if exchange != "updates":
     raise ValueError("`momentum_masking=True` masks the local momentum of the update "

@@ -15,6 +15,7 @@ import tensorflow as tf
 from tf_adacomp import collectives
 from tf_adacomp import stats
 from tf_adacomp.compressors import registry
+from tf_adacomp.ops import checks
 
 
 class SimulatedLearners:
@@ -32,8 +33,7 @@ class SimulatedLearners:
   """
 
   def __init__(self, model, optimizer, loss, compressor="adacomp", learners: int = 4):
-    if isinstance(learners, bool) or not isinstance(learners, int) or learners < 1:
-      raise ValueError(f"`learners` must be an integer >= 1. Received: learners={learners!r}")
+    learners = checks.positive_int(learners, "learners")
     self.model = model
     self.optimizer = optimizer
     self.loss = keras.losses.get(loss)

@@ -2,7 +2,6 @@
 
 from tf_adacomp.ops.adacomp import adacomp_compress
 from tf_adacomp.ops.adacomp import adacomp_decompress
-from tf_adacomp.ops.adacomp import exchange_nbytes
 from tf_adacomp.ops.adacomp import payload_nbytes
 from tf_adacomp.ops.adacomp import payload_words
 from tf_adacomp.ops.adasum import adasum_reduce

@@ -440,7 +440,7 @@ def payload_nbytes(payload):
   Returns:
     int64 tensor: a scalar for one payload, ``[replicas]`` for a gathered one. Zero
     padding beyond the used words is not counted here; an exchange that pads payloads
-    to a common length counts that padding itself (see ``exchange_nbytes``).
+    to a common length counts that padding itself (``stats.exchange_nbytes``).
 
   Raises:
     TypeError, ValueError: as for ``adacomp_decompress``.
@@ -448,18 +448,3 @@ def payload_nbytes(payload):
   payload = checks.payload_tensor(payload)
   return compiled.kernel(_nbytes)(payload)
 
-
-def exchange_nbytes(nbytes):
-  """Bytes each replica puts on the wire when payloads of varying length are gathered.
-
-  The exchange first all-gathers every replica's length (one int32 each), then pads
-  every payload to the longest and all-gathers those: per replica, 4 bytes plus the
-  longest payload, padding included.
-
-  Args:
-    nbytes: int tensor ``[replicas]``, each replica's ``payload_nbytes``.
-
-  Returns:
-    int64 scalar tensor: the bytes one replica sends.
-  """
-  return 4 + tf.reduce_max(tf.cast(nbytes, tf.int64))
