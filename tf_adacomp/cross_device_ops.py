@@ -47,7 +47,7 @@ from tf_adacomp.compressors import registry
 from tf_adacomp.ops import checks
 
 
-class CompressedAllReduce(cross_device_ops_lib.CrossDeviceOps, tf.Module):
+class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
   """Cross-device reduction of compressed payloads, for ``MirroredStrategy``.
 
   Args:
@@ -66,7 +66,7 @@ class CompressedAllReduce(cross_device_ops_lib.CrossDeviceOps, tf.Module):
 
   def __init__(self, compressor="adacomp", start_step: int = 0, min_size=None,
                reduction: str = "sum"):
-    cross_device_ops_lib.CrossDeviceOps.__init__(self)
+    tf.distribute.CrossDeviceOps.__init__(self)
     tf.Module.__init__(self, name="compressed_all_reduce")
     compressor = registry.get_compressor(compressor)
     if min_size is not None:
@@ -78,7 +78,7 @@ class CompressedAllReduce(cross_device_ops_lib.CrossDeviceOps, tf.Module):
     self.start_step = start_step
     self.reduction = collectives.check_reduction(reduction)
     self._exchange = collectives.Exchange(compressor, reduction)
-    self._exact = cross_device_ops_lib.ReductionToOneDevice()
+    self._exact = tf.distribute.ReductionToOneDevice()
     self.residues = {}   # key -> [per device: [state variables]]
     self.steps = {}      # key of an exchange's first tensor -> int64 variable: reductions done
     self.nbytes = {}     # key -> int64 variable: bytes one device sent last time

@@ -46,10 +46,10 @@ Names used in place (modules owned elsewhere)
     (``keras/src/optimizers/base_optimizer.py``, ``keras/src/backend/tensorflow/optimizer.py``).
   - ``tf.__internal__.distribute.strategy_supports_no_merge_call`` and
     ``tf.__internal__.distribute.interim.maybe_merge_call`` (as Keras' own optimizer).
-- ``cross_device_ops.py``: ``tensorflow.python.distribute.cross_device_ops``
-  (``CrossDeviceOps``, subclassed with ``reduce_implementation``,
-  ``batch_reduce_implementation`` and ``_gather_implementation``;
-  ``ReductionToOneDevice`` and its ``_gather``; ``get_devices_from``),
+- ``cross_device_ops.py``: the public ``tf.distribute.CrossDeviceOps`` subclassed through
+  its (undocumented) ``reduce_implementation``, ``batch_reduce_implementation`` and
+  ``_gather_implementation``; ``tf.distribute.ReductionToOneDevice._gather``;
+  ``tensorflow.python.distribute.cross_device_ops.get_devices_from``,
   ``tensorflow.python.distribute.distribute_utils.regroup``,
   ``tensorflow.python.distribute.values`` (``Mirrored``, ``DistributedValues``) and
   ``tensorflow.python.ops.resource_variable_ops.ResourceVariable``.
