@@ -3,8 +3,8 @@
 Each learner computes the gradient of its shard of the batch, compresses it with its own
 state (residues), and the payloads are combined by the package's own exchange
 (``collectives.Exchange.local_exchange``, as ``CompressedAllReduce`` runs it), then
-averaged and applied. Useful to study how compression
-affects accuracy and how many bytes it sends, on any machine.
+averaged and applied. Useful to study how compression affects accuracy and how many
+bytes it sends, on any machine.
 """
 
 from typing import Dict
@@ -57,8 +57,8 @@ class SimulatedLearners:
       grads.append(tape.gradient(loss, variables))
       states.append([tuple(v.read_value() for v in s) for s in self.state[learner]])
     # The package's exchange, with every learner on this device.
-    device = [""] * self.learners
-    _, exchanged = self._exchange.local_exchange(self.plans, grads, states, device, [""])
+    devices = [""] * self.learners
+    _, exchanged = self._exchange.local_exchange(self.plans, grads, states, devices, [""])
     for learner in range(self.learners):
       for state_vars, new in zip(self.state[learner], exchanged.states[learner]):
         for var, value in zip(state_vars, new):
