@@ -29,8 +29,9 @@ outside any), the position of a tensor in its batch of reductions, its shape and
 a training step must reduce its gradients in the same order every step, as Keras and the
 usual custom loops do, and two ``tf.function`` functions of different names never share a
 residue (two of one name, e.g. two lambdas, do). They live in this object, which is a
-``tf.Module``: add it to a ``tf.train.Checkpoint`` to save and restore them (``model.save`` does not see them; use ``CompressedOptimizer`` if they
-must travel with a Keras model).
+``tf.Module``: add it to a ``tf.train.Checkpoint`` to save and restore them
+(``model.save`` does not see them; use ``CompressedOptimizer`` if they must travel with
+a Keras model).
 """
 
 import copy
