@@ -10,7 +10,7 @@ Contract implemented:
   gmax[b] = max |G| in bin b; scale = mean(gmax), rounded to float32
 - selected = (|H| >= gmax[bin(i)]) & (G != 0)
 - capacity C = 0 if n == 0 else max(1, min(n, ceil(max_density * n))); if more than C are
-  selected, the first C in the order of the key (i % B, i // B), B = ceil(n / 32), are kept
+  selected, the first C in flat order (the lowest positions) are kept
 - Q_i = sign(G_i) * scale for kept i, else 0; new_residue = G - Q in the residue dtype
 - non-finite G: nothing kept, residue unchanged, scale word NaN
 - payload: [count, float32 bits of scale, bits, codes packed little-endian], code =
@@ -57,16 +57,6 @@ def compute_dtype(grad_dtype, residue_dtype):
 def cast(x, dtype):
   """Casts an array to a NumPy dtype (including ml_dtypes.bfloat16), round to nearest."""
   return np.asarray(x).astype(dtype)
-
-
-def column_order_key(n: int) -> np.ndarray:
-  """Rank of each flat position in the cap ordering (i % B, i // B), B = ceil(n / 32)."""
-  if n == 0:
-    return np.zeros([0], np.int64)
-  b = -(-n // 32)
-  i = np.arange(n, dtype=np.int64)
-  # Lexicographic (i % B, i // B); i // B < 32 * ... fits easily in the product.
-  return (i % b) * (n + 1) + (i // b)
 
 
 def exact_mean_f32(values: np.ndarray) -> np.float32:
@@ -133,10 +123,8 @@ def reference_compress(grad, residue, bin_size: int, max_density: float = 1.0,
   cap = capacity(n, max_density)
   kept = selected.copy()
   if selected.sum() > cap:
-    idx = np.nonzero(selected)[0]
-    order = idx[np.argsort(column_order_key(n)[idx], kind="stable")]
     kept = np.zeros([n], bool)
-    kept[order[:cap]] = True
+    kept[np.nonzero(selected)[0][:cap]] = True
   s = cd(scale)
   q = np.where(kept, np.where(g < 0, -s, s), cd(0)).astype(cd)
   with np.errstate(over="ignore", invalid="ignore"):
@@ -290,10 +278,8 @@ def reference_compress_per_bin(grad, residue, bin_size: int,
   cap = capacity(n, max_density)
   kept = selected.copy()
   if selected.sum() > cap:
-    idx = np.nonzero(selected)[0]
-    order = idx[np.argsort(column_order_key(n)[idx], kind="stable")]
     kept = np.zeros([n], bool)
-    kept[order[:cap]] = True
+    kept[np.nonzero(selected)[0][:cap]] = True
   q = np.where(kept, np.where(g < 0, -element_scale, element_scale), cd(0)).astype(cd)
   with np.errstate(over="ignore", invalid="ignore"):
     new_residue = cast((g - q).astype(cd), residue.dtype).reshape(residue.shape)

@@ -11,9 +11,8 @@ Two choices of this implementation, neither of which changes Q:
 - elements with G_i == 0 are not sent: their Q_i is sign(0) * scale = 0 anyway (this
   keeps an all-zero bin, where every |H_i| >= 0 = gmax, from sending every element);
 - a payload has a static capacity (``max_density`` of the elements, all by default); if
-  more are selected, the first ones in the order of ``compaction.select_positions``
-  (by ``(i % blocks, i // blocks)``, blocks = ceil(n / 32)) are sent and the rest stay
-  in R.
+  more are selected, the first ones (lowest positions) are sent and the rest stay in
+  R.
 
 Wire format (docs/wire_format.md): int32 words
 ``[count, scale (float32 bits), bits, packed codes...]`` where each code is
@@ -40,7 +39,7 @@ BIN_HEADER_WORDS = 4
 BIN_SCALE_FLAG = 1 << 8  # or-ed into the bits word of a scale="bin" payload
 SCALES = ("tensor", "bin")
 # Smaller encoder tiers, as fractions 1/d of the elements (see _packed_codes).
-SLOT_TIERS = (16,)
+SLOT_TIERS = (128, 16)
 # Decoder tiers, the same way (see _add_codes): decoding reads only the codes of the
 # smallest tier that holds a payload's count. More of them than the encoder has: a
 # decoder's branch is cheap to compile (an unpack and a scatter).
@@ -120,7 +119,7 @@ def _compress(grad, residue, bin_size: int, cap: int, per_bin: bool = False):
   element = tf.range(n, dtype=tf.int32)
   selected = (tf.abs(h) >= tf.gather(gmax, element // bin_size)) & tf.not_equal(g, 0) & finite
   blocks = compaction.blocks_for(n)
-  words = compaction.pack_mask(compaction.to_columns(selected, blocks))
+  words = compaction.pack_mask(compaction.to_words(selected, blocks))
   total = tf.reduce_sum(compaction.popcount(words))
   count = tf.minimum(total, cap)
 
@@ -169,7 +168,7 @@ def _compress_per_bin(grad, residue, bin_size: int, cap: int):
   selected = ((tf.abs(h) >= tf.gather(gmax, element // bin_size)) & tf.not_equal(g, 0)
               & (element_scale > 0) & finite)
   blocks = compaction.blocks_for(n)
-  words = compaction.pack_mask(compaction.to_columns(selected, blocks))
+  words = compaction.pack_mask(compaction.to_words(selected, blocks))
   total = tf.reduce_sum(compaction.popcount(words))
   count = tf.minimum(total, cap)
 

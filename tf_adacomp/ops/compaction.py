@@ -4,15 +4,15 @@ XLA needs static shapes, so the output has a fixed ``capacity`` and a count. On 
 per-element scatter, or XLA's cumulative sum over every element, costs several times a
 pass over the data, so this works on 32-bit bitmap words instead:
 
-- ``pack_mask`` lays the flat mask out as ``[32, blocks]`` (element ``i`` is bit
-  ``i // blocks`` of word ``i % blocks``): a reduction over the leading axis, which XLA
-  vectorises, unlike a reduction over rows of 32;
+- ``pack_mask`` lays the flat mask out as ``[blocks, 32]`` (element ``i`` is bit
+  ``i % 32`` of word ``i // 32``): each word reads 32 consecutive elements, so the pass
+  that computes the mask and packs it streams through the data once;
 - block offsets come from a cumulative sum over words (32x fewer than elements), and
   each output slot finds its word with one scatter of one mark per non-empty word and
   a scan over slots, then its bit with population counts.
 
-Positions come out ordered by (word, bit), i.e. by ``(i % blocks, i // blocks)``; when
-more bits are set than ``capacity``, the first ``capacity`` in that order are kept.
+Positions come out in increasing order; when more bits are set than ``capacity``, the
+first ``capacity`` (the lowest positions) are kept.
 """
 
 import numpy as np
@@ -26,23 +26,25 @@ def blocks_for(num_elements: int) -> int:
   return -(-num_elements // WORD_BITS)
 
 
-def to_columns(flat: tf.Tensor, blocks: int) -> tf.Tensor:
-  """Pads a 1-D tensor to ``32 * blocks`` and views it as ``[32, blocks]``."""
+def to_words(flat: tf.Tensor, blocks: int) -> tf.Tensor:
+  """Pads a 1-D tensor to ``32 * blocks`` and views it as ``[blocks, 32]``."""
   n = int(flat.shape[0])
-  return tf.reshape(tf.pad(flat, [[0, WORD_BITS * blocks - n]]), [WORD_BITS, blocks])
+  return tf.reshape(tf.pad(flat, [[0, WORD_BITS * blocks - n]]), [blocks, WORD_BITS])
 
 
-def pack_mask(columns: tf.Tensor) -> tf.Tensor:
-  """Packs a bool ``[32, blocks]`` mask into ``blocks`` uint32 words (row k -> bit k)."""
-  weights = tf.constant([[1 << k] for k in range(WORD_BITS)], tf.uint32)
-  # Disjoint bits: the sum is their bitwise or.
-  return tf.reduce_sum(tf.where(columns, weights, tf.zeros_like(weights)), axis=0)
+def pack_mask(rows: tf.Tensor) -> tf.Tensor:
+  """Packs a bool ``[blocks, 32]`` mask into ``blocks`` uint32 words (column k -> bit k)."""
+  weights = tf.constant([1 << k for k in range(WORD_BITS)], tf.uint32)
+  # Disjoint bits: the sum is their bitwise or. Measured on XLA:CPU (TF 2.21), this row
+  # reduction fused with the mask's computation costs ~1/10 of the previous layout's
+  # ([32, blocks], a reduction over the leading axis reading 32 strided streams).
+  return tf.reduce_sum(tf.where(rows, weights, tf.zeros_like(weights)), axis=1)
 
 
 def unpack_mask(words: tf.Tensor) -> tf.Tensor:
-  """The bool ``[32, blocks]`` mask of ``words`` (inverse of ``pack_mask``)."""
-  shifts = tf.constant([[k] for k in range(WORD_BITS)], tf.uint32)
-  return tf.bitwise.bitwise_and(tf.bitwise.right_shift(words[None, :], shifts), 1) > 0
+  """The bool ``[blocks, 32]`` mask of ``words`` (inverse of ``pack_mask``)."""
+  shifts = tf.constant([k for k in range(WORD_BITS)], tf.uint32)
+  return tf.bitwise.bitwise_and(tf.bitwise.right_shift(words[:, None], shifts), 1) > 0
 
 
 def popcount(words: tf.Tensor) -> tf.Tensor:
@@ -105,7 +107,7 @@ def select_positions(words: tf.Tensor, capacity: int):
 
   Returns:
     ``(positions, count, total)``: int32 ``[capacity]`` flat positions
-    (``bit * blocks + word``), valid in the first ``count = min(total, capacity)``
+    (``32 * word + bit``, increasing), valid in the first ``count = min(total, capacity)``
     slots and 0 after; ``total`` is the number of set bits of ``words``.
   """
   blocks = int(words.shape[0])
@@ -128,7 +130,7 @@ def select_positions(words: tf.Tensor, capacity: int):
   slot_word = tf.gather(word_list, tf.maximum(cumsum(marks[:capacity]) - 1, 0))
   slots = tf.range(capacity, dtype=tf.int32)
   bit = nth_set_bit(tf.gather(words, slot_word), slots - tf.gather(offsets, slot_word))
-  positions = tf.where(slots < count, bit * blocks + slot_word, 0)
+  positions = tf.where(slots < count, slot_word * WORD_BITS + bit, 0)
   return positions, count, total
 
 
