@@ -120,6 +120,9 @@ def _compress(grad, residue, bin_size: int, cap: int, per_bin: bool = False):
   selected = (tf.abs(h) >= tf.gather(gmax, element // bin_size)) & tf.not_equal(g, 0) & finite
   blocks = compaction.blocks_for(n)
   words = compaction.pack_mask(compaction.to_words(selected, blocks))
+  # G's signs as a bitmap (streamed in the same pass): the encoder reads only the bits
+  # of the sent positions, and its branches get n/32 words, not G.
+  signs = compaction.pack_mask(compaction.to_words(g < 0, blocks))
   total = tf.reduce_sum(compaction.popcount(words))
   count = tf.minimum(total, cap)
 
@@ -136,7 +139,7 @@ def _compress(grad, residue, bin_size: int, cap: int, per_bin: bool = False):
       tf.bitcast(tf.where(finite, scale32, nan), tf.int32),
       tf.constant(bits, tf.int32),
   ])
-  payload = tf.concat([header, _packed_codes(words, r, dw, cap, total, bits)], axis=0)
+  payload = tf.concat([header, _packed_codes(words, signs, cap, total, bits)], axis=0)
   return payload, tf.reshape(tf.cast(new_residue, residue.dtype), residue.shape)
 
 
@@ -169,6 +172,9 @@ def _compress_per_bin(grad, residue, bin_size: int, cap: int):
               & (element_scale > 0) & finite)
   blocks = compaction.blocks_for(n)
   words = compaction.pack_mask(compaction.to_words(selected, blocks))
+  # G's signs as a bitmap (streamed in the same pass): the encoder reads only the bits
+  # of the sent positions, and its branches get n/32 words, not G.
+  signs = compaction.pack_mask(compaction.to_words(g < 0, blocks))
   total = tf.reduce_sum(compaction.popcount(words))
   count = tf.minimum(total, cap)
 
@@ -187,7 +193,7 @@ def _compress_per_bin(grad, residue, bin_size: int, cap: int):
   ])
   scale_body = tf.bitcast(tf.reshape(tf.pad(scales16, [[0, 2 * scale_words(n, bin_size) - bins]]),
                                      [-1, 2]), tf.int32)
-  payload = tf.concat([header, scale_body, _packed_codes(words, r, dw, cap, total, bits)],
+  payload = tf.concat([header, scale_body, _packed_codes(words, signs, cap, total, bits)],
                       axis=0)
   return payload, tf.reshape(tf.cast(new_residue, residue.dtype), residue.shape)
 
@@ -204,21 +210,22 @@ def _bin_maxima(magnitude, bin_size: int):
   return tf.concat(parts, 0) if len(parts) > 1 else (parts[0] if parts else magnitude)
 
 
-def _packed_codes(words, r, dw, cap: int, total, bits: int):
+def _packed_codes(words, signs, cap: int, total, bits: int):
   """The bit-packed codes of the sent elements, as int32 words for ``cap`` codes.
 
   Compaction and packing cost grows with the number of slots, and AdaComp usually
-  selects a few percent of a tensor: the smallest tier (1/16 of the elements, or the
-  capacity) that holds the selection is the one encoded, and the rest of the
-  buffer is zeros.
+  selects a few percent of a tensor: the smallest tier (1/128 or 1/16 of the elements,
+  or the capacity) that holds the selection is the one encoded, and the rest of the
+  buffer is zeros. The branches take only bitmaps (``words``, the selection, and
+  ``signs``, G < 0), n/32 words each: XLA:CPU copies a conditional's operands into it.
   """
   full_words = bitpack.packed_words(cap, bits)
 
   def encode(slots):
     positions, _, _ = compaction.select_positions(words, slots)
-    # G at the sent positions, recomputed from its two terms (the same float addition)
-    # so that XLA need not keep the whole of G in memory for this.
-    negative = tf.cast(tf.gather(r, positions) + tf.gather(dw, positions) < 0, tf.uint32)
+    negative = tf.bitwise.bitwise_and(
+        tf.bitwise.right_shift(tf.gather(signs, positions // compaction.WORD_BITS),
+                               tf.cast(positions % compaction.WORD_BITS, tf.uint32)), 1)
     codes = tf.bitwise.bitwise_or(
         tf.bitwise.left_shift(tf.cast(positions, tf.uint32), 1), negative)
     packed = tf.bitcast(bitpack.pack(codes, bits), tf.int32)
@@ -226,7 +233,7 @@ def _packed_codes(words, r, dw, cap: int, total, bits: int):
 
   if cap == 0:
     return tf.zeros([0], tf.int32)
-  n = int(r.shape[0])
+  n = int(words.shape[0]) * compaction.WORD_BITS
   tiers = sorted({min(cap, -(-n // d)) for d in SLOT_TIERS} | {cap})
 
   def smallest_tier_from(i):
