@@ -29,12 +29,19 @@ outside any), the position of a tensor in its batch of reductions, its shape and
 a training step must reduce its gradients in the same order every step, as Keras and the
 usual custom loops do, and two ``tf.function`` functions of different names never share a
 residue (two of one name, e.g. two lambdas, do). They live in this object, which is a
-``tf.Module``: add it to a ``tf.train.Checkpoint`` to save and restore them
-(``model.save`` does not see them; use ``CompressedOptimizer`` if they must travel with
-a Keras model).
+``tf.Module``, not in the model or its optimizer: a checkpoint of those alone restores
+them as zeros, and the first reduction logs a warning saying so. Add one item to the
+checkpoint to keep them::
+
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer,
+                                      residues=tf_adacomp.CompressedAllReduce.of(strategy))
+
+``model.save`` and Keras' ``ModelCheckpoint`` and ``BackupAndRestore`` cannot hold them:
+use ``CompressedOptimizer`` if they must travel with a Keras model.
 """
 
 import copy
+import logging
 
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
@@ -43,6 +50,8 @@ from tensorflow.python.distribute import values as values_lib
 from tensorflow.python.ops import resource_variable_ops
 
 from tf_adacomp import collectives
+from tf_adacomp import compile_log
+from tf_adacomp import internals
 from tf_adacomp import stats
 from tf_adacomp.compressors import registry
 from tf_adacomp.ops import checks
@@ -63,10 +72,13 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
 
   Raises:
     ValueError: unknown compressor or reduction, ``start_step`` < 0 or ``min_size`` < 0.
+    RuntimeError: made (or, later, reducing) in TF1 graph mode (a ``tf.compat.v1``
+      Graph and Session), which it does not support.
   """
 
   def __init__(self, compressor="adacomp", start_step: int = 0, min_size=None,
                reduction: str = "sum"):
+    _refuse_graph_mode()
     tf.distribute.CrossDeviceOps.__init__(self)
     tf.Module.__init__(self, name="compressed_all_reduce")
     compressor = registry.get_compressor(compressor)
@@ -84,6 +96,7 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
     self.steps = {}      # key of an exchange's first tensor -> int64 variable: reductions done
     self.nbytes = {}     # key -> int64 variable: bytes one device sent last time
     self._plans = {}     # key -> TensorPlan (static, not checkpointed)
+    self._compile_log = None  # compile_log.FirstCompile of the first reduction
 
   def __deepcopy__(self, memo):
     # Strategies deep-copy their cross-device ops; the copy starts with no residues.
@@ -92,6 +105,27 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
     memo[id(self)] = result
     return result
 
+  @staticmethod
+  def of(strategy) -> "CompressedAllReduce":
+    """The ``CompressedAllReduce`` that ``strategy`` reduces with, to add to a checkpoint:
+    ``tf.train.Checkpoint(model=model, optimizer=optimizer,
+    residues=tf_adacomp.CompressedAllReduce.of(strategy))``.
+
+    Args:
+      strategy: a ``tf.distribute.MirroredStrategy``.
+
+    Returns:
+      Its ``CompressedAllReduce``.
+
+    Raises:
+      ValueError: ``strategy`` does not reduce with a ``CompressedAllReduce``.
+    """
+    ops = internals.cross_device_ops_of(strategy)
+    if not isinstance(ops, CompressedAllReduce):
+      raise ValueError(f"The strategy does not reduce with a CompressedAllReduce (its cross-"
+                       f"device ops are {ops!r}). Received: strategy={strategy!r}")
+    return ops
+
   # --- tf.distribute.CrossDeviceOps ------------------------------------------------
 
   def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
@@ -99,6 +133,7 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         reduce_op, [(per_replica_value, destinations)], options)[0]
 
   def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+    _refuse_graph_mode()
     results = [None] * len(value_destination_pairs)
     compressed = []
     for index, (value, destinations) in enumerate(value_destination_pairs):
@@ -146,8 +181,15 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
       updates.append(step.assign_add(1))
       with tf.control_dependencies(updates):
         dense = step.read_value() <= self.start_step
+    if self._compile_log is None:
+      # The first reduction compiles the kernels (tens of seconds): say so, and how long.
+      nbytes = self.nbytes[keys[0]]
+      self._compile_log = compile_log.FirstCompile(
+          "CompressedAllReduce", lambda: int(nbytes.numpy()) > 0)
+      self._compile_log.start()
     totals, exchanged = self._exchange.local_exchange(plans, grads, states, devices, targets,
                                                       dense)
+    self._compile_log.traced()
     for t, key in enumerate(keys):
       # A non-finite total changes nothing: every residue of that tensor keeps its value.
       finite = tf.reduce_all(tf.math.is_finite(exchanged.sums[t]))
@@ -172,6 +214,8 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
   def _variables_for(self, key, plan, devices):
     """Per-device state variables for ``key``, created outside any function on first use."""
     if key not in self.residues:
+      if not self.residues:
+        _warn_checkpoints_do_not_hold_residues()
       with tf.init_scope():
         per_device = []
         for d, device in enumerate(devices):
@@ -207,6 +251,34 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
   def compression_stats(self):
     """Bytes of the last reduction per tensor kind and in total (see ``stats``)."""
     return stats.summarize(self.variable_bytes())
+
+
+def _refuse_graph_mode():
+  """Raises RuntimeError in TF1 graph mode (a ``tf.compat.v1`` Graph run by a Session).
+
+  There the kernels' tensor comparisons (``==``) are Python identity, so every payload
+  decodes to NaN, and the state variables (made under ``init_scope``) would land in the
+  eager context, out of the graph and of ``global_variables_initializer``.
+  """
+  if not tf.compat.v1.executing_eagerly_outside_functions():
+    raise RuntimeError(
+        "CompressedAllReduce does not support TF1 graph mode (a tf.compat.v1 Graph run "
+        "by a Session, or eager execution disabled): use it eagerly or in a tf.function. "
+        "Received: a call in the graph "
+        f"{tf.compat.v1.get_default_graph()!r}")
+
+
+def _warn_checkpoints_do_not_hold_residues():
+  """Once per ``CompressedAllReduce``, at its first residues: nothing but the docstring
+  said that a model's checkpoint restores them as zeros (issue 19)."""
+  logging.getLogger("tf_adacomp").warning(
+      "CompressedAllReduce keeps its residues (error feedback) itself: model.save, Keras' "
+      "ModelCheckpoint and BackupAndRestore and a tf.train.Checkpoint of the model and "
+      "optimizer do not hold them, and a restore starts them from zero. To keep them, "
+      "add one item to your checkpoint: tf.train.Checkpoint(model=model, "
+      "optimizer=optimizer, residues=tf_adacomp.CompressedAllReduce.of(strategy)); with "
+      "Keras' callbacks, use tf_adacomp.CompressedOptimizer instead, whose residues are "
+      "optimizer variables.")
 
 
 def _compressible(value) -> bool:

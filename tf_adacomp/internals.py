@@ -13,7 +13,8 @@ Accessors of this module
 ------------------------
 - ``cross_device_ops_of(strategy)``: ``strategy.extended._cross_device_ops`` (the
   ``CrossDeviceOps`` a ``MirroredStrategy`` reduces with; TF has no public getter).
-  Used by ``callbacks.CompressionStats`` (finding a ``CompressedAllReduce``).
+  Used by ``callbacks.CompressionStats`` (finding a ``CompressedAllReduce``) and
+  ``CompressedAllReduce.of`` (the one to add to a checkpoint).
 - ``set_collective_key_base(strategy, base)``: ``MirroredStrategy._collective_key_base``,
   read by ``MirroredExtended.__init__``, set on one instance before ``__init__``. Used by
   ``distribute.mirrored_strategy`` (collective keys of its own per strategy).

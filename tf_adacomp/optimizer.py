@@ -47,13 +47,16 @@ choice and stays accepted: ``adasum_mode="delta"`` is ``exchange="updates"``,
 """
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_adacomp import collectives
+from tf_adacomp import compile_log
 from tf_adacomp import keras_fixes
 from tf_adacomp import stats
 from tf_adacomp.compressors import registry
 from tf_adacomp.ops import checks
+from tf_adacomp.ops import fused
 
 # Keras' base optimizer arguments and their defaults (tests/test_optimizer.py checks them
 # against Keras' signature). Keras passes the defaults back when deserializing; any other
@@ -73,6 +76,33 @@ EXCHANGES = ("gradients", "updates")
 # behind "updates"; Adasum keeps its documented default, the Adasum of gradients).
 DEFAULT_EXCHANGE = {"sum": "updates", "adasum": "gradients"}
 _EXCHANGE_OF_ADASUM_MODE = {"gradient": "gradients", "delta": "updates"}
+
+
+class _InnerSetting:
+  """A data descriptor: the base optimizer setting of this name is the inner optimizer's.
+
+  Keras' base class writes and reads these on the wrapper too: its ``__init__`` writes the
+  defaults before there is an inner optimizer (ignored: the wrapper refused any other
+  value), and its ``build`` reads ``gradient_accumulation_steps`` to create accumulators,
+  which only the inner optimizer needs; while ``_reading_own_settings`` is set the
+  wrapper's own default is read instead.
+  """
+
+  def __set_name__(self, owner, name):
+    self.name = name  # pylint: disable=attribute-defined-outside-init
+
+  def __get__(self, wrapper, owner=None):
+    if wrapper is None:
+      return self
+    inner = wrapper.__dict__.get("inner_optimizer")
+    if inner is None or wrapper.__dict__.get("_reading_own_settings"):
+      return _BASE_DEFAULTS[self.name]
+    return getattr(inner, self.name)
+
+  def __set__(self, wrapper, value):
+    inner = wrapper.__dict__.get("inner_optimizer")
+    if inner is not None:
+      setattr(inner, self.name, value)
 
 
 @keras.saving.register_keras_serializable(package="tf_adacomp")
@@ -127,7 +157,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       apply (gradient exchange, an inner optimizer without momentum, a compressor
       without residue); ``local_clipnorm`` not a finite number > 0; ``start_step`` < 0;
       a base optimizer argument other than its Keras default (set those on the inner
-      optimizer).
+      optimizer); an ``inner_optimizer`` that is a ``LossScaleOptimizer`` (wrap
+      ``LossScaleOptimizer(CompressedOptimizer(inner))`` instead).
     RuntimeError: the inner optimizer has no ``_all_reduce_sum_gradients`` (the Keras
       TensorFlow optimizers' all-reduce, which the wrapper switches off): a Keras
       release that renamed it, or another backend.
@@ -147,6 +178,15 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
       raise TypeError(f"`inner_optimizer` must be a keras.optimizers.Optimizer. "
                       f"Received: inner_optimizer={inner_optimizer!r}")
+    if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
+      # The wrapper skips a non-finite step before the inner optimizer sees it, so a
+      # LossScaleOptimizer inside would never lower its scale (and skip every later
+      # overflowing step); around the wrapper it sees every gradient.
+      raise ValueError(
+          "CompressedOptimizer cannot wrap a LossScaleOptimizer (its loss scale would never "
+          "go down): wrap the other way round, LossScaleOptimizer(CompressedOptimizer("
+          "inner)), as Keras' mixed precision does for `model.compile`. Received: "
+          f"inner_optimizer={inner_optimizer!r}")
     if not hasattr(inner_optimizer, ALL_REDUCE_HOOK):
       # Without it the inner optimizer would all-reduce the already-summed gradient
       # again: replicas x the gradient, and dense traffic besides.
@@ -175,6 +215,14 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     self.momentum_masking = momentum_masking
     self.local_clipnorm = local_clipnorm
 
+  # Keras' base settings that the inner optimizer applies: read and set on the wrapper,
+  # they are the inner optimizer's (tests/test_optimizer_dropin.py).
+  weight_decay = _InnerSetting()
+  clipnorm = _InnerSetting()
+  clipvalue = _InnerSetting()
+  global_clipnorm = _InnerSetting()
+  gradient_accumulation_steps = _InnerSetting()
+
   @property
   def adasum_mode(self):
     """"delta" with the update exchange, "gradient" with the gradient exchange."""
@@ -184,14 +232,20 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
 
   def build(self, var_list):
     keras_fixes.apply_keras_multi_worker_fix_for(self._distribution_strategy)
-    self.plans = [self.compressor.plan(v.shape, v.dtype, v.path) for v in var_list]
+    self.plans = [self.compressor.plan(v.shape, v.dtype, _variable_path(v)) for v in var_list]
     self.residues = []
     for variable, plan in zip(var_list, self.plans):
+      name = _variable_path(variable).replace("/", "_").replace(":", "_")
       self.residues.append(tuple(
-          self._add_replica_variable(variable, spec, f"{variable.path.replace('/', '_')}_residue")
+          self._add_replica_variable(variable, spec, f"{name}_residue")
           for spec in self.compressor.state_specs(plan)))
     self.bytes_sent = self.add_variable(shape=(len(var_list),), dtype="int64",
                                         aggregation="only_first_replica", name="bytes_sent")
+    # The first step compiles the kernels (tens of seconds): say so, and how long it took.
+    first = int(self.iterations.numpy()) if tf.executing_eagerly() else 0
+    self._compile_log = compile_log.FirstCompile(
+        "CompressedOptimizer", lambda: int(self.iterations.numpy()) > first)
+    self._compile_log.start()
     if self.exchange == "updates":
       # Each replica steps the inner optimizer with its own state, so its slots hold one
       # value per replica (on-read, as the residues), and a checkpoint stores their mean
@@ -204,7 +258,11 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     # ever receives gradients already summed over replicas, so that second, dense
     # all-reduce is switched off (an instance attribute: replica threads share it).
     setattr(self.inner_optimizer, ALL_REDUCE_HOOK, _no_all_reduce)
-    super().build(var_list)
+    self._reading_own_settings = True  # no accumulators here: the inner optimizer has them
+    try:
+      super().build(var_list)
+    finally:
+      self._reading_own_settings = False
 
   def _add_replica_variable(self, reference, spec, name):
     """A variable with one value per replica (each replica's residue is its own).
@@ -214,7 +272,9 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     not yet sent) and a restore split it evenly, so nothing is lost across a restore,
     whatever the number of replicas then.
     """
-    with self._distribution_strategy.extended.colocate_vars_with(reference.value):
+    # A plain tf.Variable (which Keras' optimizers accept too) is its own tf.Variable.
+    colocate_with = reference.value if isinstance(reference, keras.Variable) else reference
+    with self._distribution_strategy.extended.colocate_vars_with(colocate_with):
       with keras.name_scope(self.name, caller=self):
         variable = keras.Variable(initializer="zeros", shape=spec.shape, dtype=spec.dtype.name,
                                   trainable=False, aggregation="sum",
@@ -293,7 +353,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     if self.momentum_masking:
       sent_step = finite if dense is None else tf.logical_and(finite, tf.logical_not(dense))
       self._mask_momentum(variables, states, deltas, exchanged.states, sent_step)
-    pairs = [(v, tf.where(finite, b + tf.cast(s, b.dtype), b))
+    pairs = [(v, fused.add_if(finite, b, s))
              for v, b, s in zip(variables, before, combined) if s is not None]
     self._assign_per_replica([v for v, _ in pairs], [x for _, x in pairs])
 
@@ -364,6 +424,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
         tf.zeros([len(self.plans)], tf.int64), [[i] for i in indices],
         [tf.zeros([], tf.int64) if b is None else tf.cast(b, tf.int64) for b in nbytes])
     self.bytes_sent.assign(values)
+    # Called once per step, after the exchange created its kernels.
+    self._compile_log.traced()
 
   def _apply_inner(self, grads, trainable_variables):
     """The inner optimizer's step on ``grads``: summed (or Adasum-combined) over the
@@ -391,6 +453,40 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
 
   def finalize_variable_values(self, var_list):
     self.inner_optimizer.finalize_variable_values(var_list)
+
+  def exclude_from_weight_decay(self, var_list=None, var_names=None):
+    """Excludes variables from the inner optimizer's weight decay (which applies it).
+
+    Args:
+      var_list: variables to exclude.
+      var_names: strings; a variable whose name contains one of them is excluded.
+    """
+    self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
+
+  def set_weights(self, weights):
+    """Sets all of ``variables``: the wrapper's and the inner optimizer's (its iterations
+    and slots), in that order (Keras' own ``set_weights`` sets the wrapper's only).
+
+    Args:
+      weights: a list of arrays (or variables), one per entry of ``variables``.
+
+    Raises:
+      ValueError: the optimizer is not built, or ``weights`` has another length or a
+        shape that differs from its variable's.
+    """
+    if not self.built:
+      raise ValueError("You are calling `set_weights()` on an optimizer that has not yet "
+                       "been built: call `optimizer.build(trainable_variables)` first (as "
+                       "Keras' optimizers say).")
+    variables = self.variables
+    if len(weights) != len(variables):
+      raise ValueError(f"`set_weights()` got {len(weights)} values for the optimizer's "
+                       f"{len(variables)} variables (one per entry of `variables`).")
+    for variable, weight in zip(variables, weights):
+      if tuple(variable.shape) != tuple(np.shape(weight)):
+        raise ValueError(f"Optimizer variable {variable.path} has shape {variable.shape}, "
+                         f"not the shape {np.shape(weight)} of the value given for it.")
+      variable.assign(weight)
 
   # --- Statistics and serialization -----------------------------------------------
 
@@ -438,12 +534,15 @@ def _one_value_per_replica(next_creator, **kwargs):
   return next_creator(**kwargs)
 
 
+def _variable_path(variable):
+  """A Keras variable's ``path``; a plain ``tf.Variable`` (no ``path``) its ``name``, as
+  Keras' ``add_variable_from_reference`` names the slots of either."""
+  return getattr(variable, "path", None) or variable.name
+
+
 def _all_finite(tensors):
-  """Scalar bool: every tensor (None entries aside) is finite."""
-  present = [t for t in tensors if t is not None]
-  if not present:
-    return tf.constant(True)
-  return tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in present])
+  """Scalar bool: every tensor (None entries aside) is finite (one XLA pass each)."""
+  return fused.all_finite(tensors)
 
 
 def _no_all_reduce(grads_and_vars):
