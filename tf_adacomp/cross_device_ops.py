@@ -55,6 +55,7 @@ from tf_adacomp import internals
 from tf_adacomp import stats
 from tf_adacomp.compressors import registry
 from tf_adacomp.ops import checks
+from tf_adacomp.ops import fused
 
 
 class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
@@ -192,7 +193,7 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
     self._compile_log.traced()
     for t, key in enumerate(keys):
       # A non-finite total changes nothing: every residue of that tensor keeps its value.
-      finite = tf.reduce_all(tf.math.is_finite(exchanged.sums[t]))
+      finite = fused.all_finite([exchanged.sums[t]])
       for d, device in enumerate(devices):
         with tf.device(device):
           updates += [v.assign(tf.where(finite, new, old)) for v, old, new in

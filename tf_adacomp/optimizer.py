@@ -316,7 +316,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     # Adasum of the replicas' own mean gradients.
     sums = [None if s is None else self._exchange.reduction.to_sum(s, replicas)
             for s in exchanged.sums]
-    finite = _all_finite(sums)
+    finite = fused.all_finite(sums)
     self._keep_states(indices, states, exchanged.states, finite)
     self._record_bytes(indices, exchanged.nbytes)
     self._on_every_replica_if(
@@ -334,7 +334,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       own = _clip_by_global_norm(own, self.local_clipnorm)
     # Every replica must take the same branch: step only if all gradients are finite.
     bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                         tf.cast(tf.logical_not(_all_finite(own)), tf.float32))
+                         tf.cast(tf.logical_not(fused.all_finite(own)), tf.float32))
     stepped = tf.equal(bad, 0.0)
     before = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
     with tf.control_dependencies(before):
@@ -347,7 +347,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     # The mean of the replicas' updates (or their Adasum).
     combined = [None if s is None else self._exchange.reduction.to_mean(s, replicas)
                 for s in exchanged.sums]
-    finite = tf.logical_and(stepped, _all_finite(combined))
+    finite = tf.logical_and(stepped, fused.all_finite(combined))
     self._keep_states(indices, states, exchanged.states, finite)
     self._record_bytes(indices, exchanged.nbytes)
     if self.momentum_masking:
@@ -538,11 +538,6 @@ def _variable_path(variable):
   """A Keras variable's ``path``; a plain ``tf.Variable`` (no ``path``) its ``name``, as
   Keras' ``add_variable_from_reference`` names the slots of either."""
   return getattr(variable, "path", None) or variable.name
-
-
-def _all_finite(tensors):
-  """Scalar bool: every tensor (None entries aside) is finite (one XLA pass each)."""
-  return fused.all_finite(tensors)
 
 
 def _no_all_reduce(grads_and_vars):

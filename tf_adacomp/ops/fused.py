@@ -31,7 +31,7 @@ def all_finite(tensors):
   return compiled.kernel(_all_finite)(present)
 
 
-def _apply_if(flag, before, update):
+def _add_if(flag, before, update):
   return tf.where(flag, before + tf.cast(update, before.dtype), before)
 
 
@@ -47,4 +47,4 @@ def add_if(flag, before, update):
   Returns:
     A tensor of ``before``'s shape and dtype.
   """
-  return compiled.kernel(_apply_if)(flag, before, update)
+  return compiled.kernel(_add_if)(flag, before, update)
