@@ -28,11 +28,13 @@ def test_unknown_reduction_is_named(bad):
     collectives.get_reduction(bad)
 
 
-def test_replica_exchange_reports_what_the_joined_gather_sends():
+@pytest.mark.parametrize("fuse", [False, True])
+def test_replica_exchange_reports_what_the_joined_gather_sends(fuse):
   """Replicas of unequal payload lengths: the bytes reported for all tensors add up to the
-  padded joined buffer plus one length word per payload, from the real payloads."""
+  padded joined buffer plus one length word per payload (per tensor, or one bucket), from
+  the real payloads."""
   strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES)
-  compressor = tf_adacomp.AdaComp(min_size=0)
+  compressor = tf_adacomp.AdaComp(min_size=0, fuse=fuse)
   plans = [compressor.plan([2000], tf.float32, "a"), compressor.plan([3000], tf.float32, "b")]
   rng = np.random.default_rng(0)
   # Replica r's gradients are sparse to a different degree: unequal payloads.
@@ -49,12 +51,18 @@ def test_replica_exchange_reports_what_the_joined_gather_sends():
     return strategy.run(replica_fn)
 
   reported = [strategy.experimental_local_results(b)[0].numpy() for b in step()]
-  words = np.array([[int(tf_adacomp.ops.payload_nbytes(compressor.compress(
-      tf.constant(g[i]), compressor.init(plans[i]), plans[i])[0])) // 4 for i in range(2)]
-                    for g in grads])
+  states = [compressor.init(p) for p in plans]
+  if fuse:  # one bucket payload per replica
+    words = np.array([[int(tf.reduce_sum(compressor.bucket_nbytes(compressor.compress_bucket(
+        [tf.constant(x) for x in g], states, plans)[0], plans))) // 4] for g in grads])
+  else:
+    words = np.array([[int(tf_adacomp.ops.payload_nbytes(compressor.compress(
+        tf.constant(g[i]), states[i], plans[i])[0])) // 4 for i in range(2)] for g in grads])
   assert len(set(words[:, 0])) > 1  # the lengths differ between replicas
-  assert sum(reported) == 4 * 2 + 4 * words.sum(axis=1).max()
-  np.testing.assert_array_equal(reported, stats.exchange_nbytes(words).numpy())
+  assert sum(reported) == 4 * words.shape[1] + 4 * words.sum(axis=1).max()
+  if not fuse:
+    np.testing.assert_array_equal(reported, stats.exchange_nbytes(words).numpy())
+  assert all(r > 0 for r in reported)
 
 
 def test_the_documented_custom_loop_trains_and_keeps_replicas_equal():

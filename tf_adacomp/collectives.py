@@ -5,8 +5,10 @@ in three stages, so that only the middle one depends on how payloads travel:
 
 1. ``Exchange.compress``, on each replica: its gradients become payloads and new
    compressor states. Summable payloads (dense tensors, e.g. a float16 cast) are kept
-   whole; compact payloads (AdaComp, FFT, top-k) are trimmed to their used words and
-   joined in one buffer, with their lengths in a second one (``Outgoing``).
+   whole (and all-reduced joined, one buffer per dtype); compact payloads (AdaComp, FFT,
+   top-k) come one per bucket (``Compressor.buckets``: AdaComp fuses the tensors of one
+   bin size into one payload, the others send one per tensor), are trimmed to their used
+   words and joined in one buffer, with their lengths in a second one (``Outgoing``).
 2. Moving them: in a replica context with the strategy's collectives
    (``Exchange.replica_exchange``: one ``all_reduce`` of the summable payloads and two
    ``all_gather`` calls, lengths and data; this works under every strategy, including
@@ -56,9 +58,10 @@ class Reduction:
   def combine(self, tensors: Sequence[tf.Tensor]) -> tf.Tensor:
     raise NotImplementedError
 
-  def decode(self, decode_rows, rows: tf.Tensor) -> tf.Tensor:
-    """``decode_rows(rows)`` decodes ``[r, words]`` payload rows into the sum of their
-    contributions; this decodes the ``[replicas, words]`` ``rows`` and combines them."""
+  def decode(self, decode_rows, rows: tf.Tensor) -> List[tf.Tensor]:
+    """``decode_rows(rows)`` decodes ``[r, words]`` payload rows of one bucket into the
+    sum of their contributions, one tensor per gradient; this decodes the
+    ``[replicas, words]`` ``rows`` and combines them, gradient by gradient."""
     raise NotImplementedError
 
   def to_sum(self, total, replicas: int):
@@ -99,7 +102,8 @@ class _Adasum(Reduction):
     return adasum_ops.adasum_reduce(list(tensors))
 
   def decode(self, decode_rows, rows):
-    return self.combine([decode_rows(rows[r:r + 1]) for r in range(int(rows.shape[0]))])
+    per_row = [decode_rows(rows[r:r + 1]) for r in range(int(rows.shape[0]))]
+    return [self.combine(list(tensors)) for tensors in zip(*per_row)]
 
   def to_sum(self, total, replicas):
     return total * replicas
@@ -140,13 +144,17 @@ class Outgoing(NamedTuple):
 
   Attributes:
     summable: ``{index: payload}``, dense payloads that may be added by an all-reduce.
-    gathered: ``{index: (payload, used)}``, compact int32 payloads of static length and
-      the number of their words that are used (only those are sent).
+    gathered: ``{bucket: (payload, used)}``, one compact int32 payload of static length
+      per bucket (a tuple of gradient indices), and the number of its words that are
+      used (only those are sent).
     states: every gradient's new compressor state on this replica.
+    shares: ``{bucket: int64 [len(bucket)]}``, the weights by which the bytes of each
+      bucket are split among its gradients.
   """
   summable: Dict[int, tf.Tensor]
-  gathered: Dict[int, Tuple[tf.Tensor, tf.Tensor]]
+  gathered: Dict[Tuple[int, ...], Tuple[tf.Tensor, tf.Tensor]]
   states: list
+  shares: Dict[Tuple[int, ...], tf.Tensor]
 
   def buffer(self) -> tf.Tensor:
     """The used words of every compact payload, joined (int32, 1-D)."""
@@ -209,20 +217,34 @@ class Exchange:
     Returns:
       An ``Outgoing``.
     """
-    summable, gathered, new_states = {}, {}, list(states)
+    summable, gathered, shares, new_states = {}, {}, {}, list(states)
+    compact = []
     for i, (grad, plan, state) in enumerate(zip(grads, plans, states)):
       if grad is None:
         continue
-      payload, new_states[i] = self.compressor.compress(grad, state, plan)
-      if plan.summable:
-        summable[i] = payload
+      if not plan.summable:
+        compact.append(i)
         continue
-      used = tf.cast(self.compressor.payload_nbytes(payload, plan) // 4, tf.int32)
+      summable[i], new_states[i] = self.compressor.compress(grad, state, plan)
+    for group in self.compressor.buckets([plans[i] for i in compact]):
+      bucket = tuple(compact[j] for j in group)
+      bucket_grads = [grads[i] for i in bucket]
+      bucket_states = [states[i] for i in bucket]
+      payload, bucket_new = self.compressor.compress_bucket(
+          bucket_grads, bucket_states, [plans[i] for i in bucket])
+      share = self.compressor.bucket_nbytes(payload, [plans[i] for i in bucket])
+      used = tf.cast(tf.reduce_sum(share) // 4, tf.int32)
       if dense is not None:
-        payload, used, new_states[i] = _maybe_dense(dense, grad, payload, used, state,
-                                                    new_states[i])
-      gathered[i] = (payload, used)
-    return Outgoing(summable, gathered, new_states)
+        payload, used, bucket_new = _maybe_dense(dense, bucket_grads, payload, used,
+                                                 bucket_states, bucket_new)
+        # A warm-up step sends float32 gradients: their bytes split by size.
+        share = tf.where(dense, tf.constant([plans[i].dense_nbytes for i in bucket], tf.int64),
+                         share)
+      for i, new in zip(bucket, bucket_new):
+        new_states[i] = new
+      gathered[bucket] = (payload, used)
+      shares[bucket] = share
+    return Outgoing(summable, gathered, new_states, shares)
 
   # --- Stage 2: moving payloads -------------------------------------------------------
 
@@ -249,7 +271,7 @@ class Exchange:
     replicas = ctx.num_replicas_in_sync
     summed = summable_rows = all_data = all_lengths = None
     if out.summable and self.reduction.sums_payloads:
-      summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, list(out.summable.values()))
+      summed = _all_reduce_joined(ctx, list(out.summable.values()))
     elif out.summable:
       summable_rows = ctx.all_gather([p[None] for p in out.summable.values()], axis=0)
     if out.gathered:
@@ -331,11 +353,13 @@ class Exchange:
         rows = tf.ensure_shape(summable_rows[k], [replicas, *out.summable[i].shape])
         sums[i] = self.reduction.combine(
             [self.compressor.decompress(rows[r], plans[i]) for r in range(replicas)])
-    for k, (i, (payload, _)) in enumerate(out.gathered.items()):
-      plan = plans[i]
+    for k, (bucket, (payload, _)) in enumerate(out.gathered.items()):
+      bucket_plans = [plans[i] for i in bucket]
       rows = gathered_rows(all_data, all_lengths, k, int(payload.shape[0]), replicas)
-      sums[i] = self.reduction.decode(
-          lambda r, plan=plan: _decode(self.compressor, r, plan, dense), rows)
+      totals = self.reduction.decode(
+          lambda r, p=bucket_plans: _decode(self.compressor, r, p, dense), rows)
+      for i, total in zip(bucket, totals):
+        sums[i] = total
     return sums
 
   def nbytes(self, plans, out: Outgoing, all_lengths=None) -> list:
@@ -344,9 +368,11 @@ class Exchange:
     for i, payload in out.summable.items():
       nbytes[i] = self.compressor.payload_nbytes(payload, plans[i])
     if out.gathered:
-      shares = stats.exchange_nbytes(all_lengths)
-      for k, i in enumerate(out.gathered):
-        nbytes[i] = shares[k]
+      bucket_nbytes = stats.exchange_nbytes(all_lengths)
+      for k, bucket in enumerate(out.gathered):
+        split = stats.split_nbytes(bucket_nbytes[k], out.shares[bucket])
+        for j, i in enumerate(bucket):
+          nbytes[i] = split[j]
     return nbytes
 
 
@@ -407,38 +433,64 @@ def gathered_rows(data, lengths, index: int, width: int, replicas: int):
   return tf.ensure_shape(rows, [replicas, width])
 
 
-def _dense_bits(grad):
-  """A float32 gradient as int32 words: the payload of a dense (warm-up) step."""
-  return tf.bitcast(tf.reshape(tf.cast(grad, tf.float32), [-1]), tf.int32)
+def _all_reduce_joined(ctx, tensors):
+  """Sums ``tensors`` over replicas with one all-reduce per dtype: each group is
+  flattened and joined first (Horovod's tensor fusion), then split back."""
+  groups = {}
+  for k, tensor in enumerate(tensors):
+    groups.setdefault(tensor.dtype, []).append(k)
+  summed = [None] * len(tensors)
+  for ks in groups.values():
+    joined = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                            tf.concat([tf.reshape(tensors[k], [-1]) for k in ks], 0))
+    start = 0
+    for k in ks:
+      size = tensors[k].shape.num_elements()
+      summed[k] = tf.reshape(joined[start:start + size], tensors[k].shape)
+      start += size
+  return summed
 
 
-def _maybe_dense(dense, grad, payload, used, state, new_state):
-  """Payload, used words and state of a step that may be a dense warm-up step.
+def _dense_bits(grads):
+  """Float32 gradients as int32 words, joined: the payload of a dense (warm-up) step."""
+  return tf.concat([tf.bitcast(tf.reshape(tf.cast(g, tf.float32), [-1]), tf.int32)
+                    for g in grads], 0)
 
-  One buffer wide enough for both the compressed payload and the float32 gradient;
-  a dense step keeps the previous state (nothing was held back).
+
+def _maybe_dense(dense, grads, payload, used, states, new_states):
+  """Payload, used words and states of a bucket in a step that may be a dense warm-up.
+
+  One buffer wide enough for both the compressed payload and the float32 gradients;
+  a dense step keeps the previous states (nothing was held back).
   """
-  dense_words = _dense_bits(grad)
+  dense_words = _dense_bits(grads)
   width = max(int(payload.shape[0]), int(dense_words.shape[0]))
   pad = lambda t: tf.pad(t, [[0, width - int(t.shape[0])]])  # noqa: E731
   payload = tf.where(dense, pad(dense_words), pad(payload))
   used = tf.where(dense, int(dense_words.shape[0]), used)
-  new_state = tuple(tf.where(dense, old, new) for old, new in zip(state, new_state))
-  return payload, used, new_state
+  new_states = [tuple(tf.where(dense, old, new) for old, new in zip(state, new_state))
+                for state, new_state in zip(states, new_states)]
+  return payload, used, new_states
 
 
-def _decode(compressor, rows, plan, dense):
-  """The sum of the contributions of ``rows``, compressed or (warm-up) float32 words."""
-  width = compressor.payload_width(plan)
+def _decode(compressor, rows, plans, dense):
+  """The sums of the contributions of a bucket's ``rows``, one per gradient, from
+  compressed payloads or (warm-up) float32 words."""
+  width = compressor.bucket_width(plans)
   if dense is None:
-    return compressor.decompress(rows[:, :width], plan)
-  n = plan.num_elements
+    return compressor.decompress_bucket(rows[:, :width], plans)
 
   def decode_dense():
-    values = tf.bitcast(rows[:, :n], tf.float32)
+    values = tf.bitcast(rows[:, :sum(plan.num_elements for plan in plans)], tf.float32)
     total = values[0]
     for r in range(1, int(rows.shape[0])):  # replica order: bit-identical everywhere
       total += values[r]
-    return tf.cast(tf.reshape(total, plan.shape), plan.dtype)
+    sums, start = [], 0
+    for plan in plans:
+      sums.append(tf.cast(tf.reshape(total[start:start + plan.num_elements], plan.shape),
+                          plan.dtype))
+      start += plan.num_elements
+    return sums
 
-  return tf.cond(dense, decode_dense, lambda: compressor.decompress(rows[:, :width], plan))
+  return tf.cond(dense, decode_dense,
+                 lambda: compressor.decompress_bucket(rows[:, :width], plans))

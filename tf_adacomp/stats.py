@@ -42,6 +42,25 @@ def exchange_nbytes(lengths) -> tf.Tensor:
   return LENGTH_NBYTES + share + remainder * largest
 
 
+def split_nbytes(nbytes, weights) -> tf.Tensor:
+  """Splits one payload's ``nbytes`` among the tensors it carries, in proportion to
+  ``weights`` (integer bytes; the remainder goes to the largest), so that the parts add
+  up to exactly ``nbytes``. A payload of one tensor gives it all.
+
+  Args:
+    nbytes: int64 scalar, the bytes of one (bucket) payload.
+    weights: int64 ``[tensors]``, e.g. each tensor's own bytes in the payload.
+
+  Returns:
+    int64 ``[tensors]``.
+  """
+  weights = tf.cast(weights, tf.int64)
+  total = tf.reduce_sum(weights)
+  part = tf.where(total > 0, nbytes * weights // tf.maximum(total, 1), tf.zeros_like(weights))
+  largest = tf.one_hot(tf.argmax(weights), tf.size(weights), dtype=tf.int64)
+  return part + (nbytes - tf.reduce_sum(part)) * largest
+
+
 def summarize(plans_and_bytes):
   """Per variable kind and in total, from ``(TensorPlan, bytes sent)`` pairs.
 

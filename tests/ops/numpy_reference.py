@@ -320,3 +320,54 @@ def dense_from_pairs_per_bin(pairs, scales, n: int, bin_size: int,
     s = dtype(scales[p // bin_size])
     out[p] = -s if neg else s
   return out
+
+
+# ----------------------------------------------------------------- buckets (several tensors)
+# docs/wire_format.md#buckets: [count, bits | 512 (| 256 for per-bin scales), tensors T,
+# scale words S, T counts (-1: not finite), S scale words, packed codes]; tensor t's
+# positions start at 32 * (the words of the tensors before it).
+
+BUCKET_FLAG = 1 << 9
+BIN_SCALE_FLAG = 1 << 8
+
+
+def bucket_offsets(sizes):
+  words = [-(-n // 32) for n in sizes]
+  return [32 * sum(words[:t]) for t in range(len(sizes))], 32 * sum(words)
+
+
+@dataclasses.dataclass
+class DecodedBucket:
+  count: int
+  flags: int
+  counts: list
+  scales: np.ndarray      # float32: [T] (tensor scales) or [bins] (per-bin scales)
+  pairs: list             # per tensor: {(local position, negative)}
+
+
+def unpack_bucket(payload, sizes, bin_size, per_bin=False) -> DecodedBucket:
+  """Independent unpacker of one bucket payload row."""
+  words = np.asarray(payload).astype(np.int32).reshape(-1)
+  count, flags, tensors, scale_words = (int(w) for w in words[:4])
+  assert tensors == len(sizes)
+  counts = [int(c) for c in words[4:4 + tensors]]
+  body = words[4 + tensors:4 + tensors + scale_words]
+  if per_bin:
+    halves = body.astype("<i4").view("<u2").astype(np.uint32) << 16
+    scales = halves.view(np.float32)[:sum(bins_for(n, bin_size) for n in sizes)]
+  else:
+    scales = body.view(np.float32)
+  offsets, total = bucket_offsets(sizes)
+  bits = (flags & 0xFF)
+  assert bits == code_bits(total)
+  stream = np.unpackbits(words[4 + tensors + scale_words:].astype("<i4").view(np.uint8),
+                         bitorder="little")
+  weights = 1 << np.arange(bits, dtype=np.uint64)
+  pairs = [set() for _ in sizes]
+  for j in range(count):
+    code = int((stream[j * bits:(j + 1) * bits].astype(np.uint64) * weights).sum())
+    pos, neg = code >> 1, bool(code & 1)
+    t = max(i for i, o in enumerate(offsets) if o <= pos)
+    assert pos - offsets[t] < sizes[t], (pos, t)
+    pairs[t].add((pos - offsets[t], neg))
+  return DecodedBucket(count, flags, counts, np.asarray(scales, np.float32), pairs)

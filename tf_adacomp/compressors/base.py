@@ -18,7 +18,7 @@ How payloads of several replicas combine is explicit, per tensor, in ``plan.summ
 import abc
 import dataclasses
 import re
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -195,6 +195,41 @@ class Compressor(abc.ABC):
   def payload_width(self, plan: TensorPlan) -> int:
     """Static length of one replica's (flat) payload for a non-summable plan."""
     raise NotImplementedError(f"{type(self).__name__} has no compact payload.")
+
+  # --- Buckets: several compact payloads sent as one -------------------------------
+  #
+  # The exchange sends every compact plan inside a bucket. By default each is a bucket of
+  # its own; a compressor that can fuse tensors (AdaComp) groups them, and one payload
+  # carries the whole group.
+
+  def buckets(self, plans: Sequence[TensorPlan]) -> List[Tuple[int, ...]]:
+    """The compact plans grouped into buckets, as indices into ``plans``.
+
+    Args:
+      plans: the plans of one exchange, in order.
+
+    Returns:
+      A list of index tuples: every index of a non-summable plan exactly once.
+    """
+    return [(i,) for i, plan in enumerate(plans) if not plan.summable]
+
+  def compress_bucket(self, grads, states, plans):
+    """Compresses one bucket: ``(payload, [new state per gradient])``."""
+    payload, state = self.compress(grads[0], states[0], plans[0])
+    return payload, [state]
+
+  def decompress_bucket(self, rows, plans) -> List[tf.Tensor]:
+    """One dense total per gradient of a bucket from its ``[replicas, width]`` rows."""
+    return [self.decompress(rows, plans[0])]
+
+  def bucket_width(self, plans) -> int:
+    """Static length of one replica's payload for a bucket."""
+    return self.payload_width(plans[0])
+
+  def bucket_nbytes(self, payload, plans) -> tf.Tensor:
+    """int64 ``[len(plans)]``: each gradient's share of the bytes one replica's bucket
+    payload occupies on the wire (they add up to its used bytes)."""
+    return tf.reshape(self.payload_nbytes(payload, plans[0]), [1])
 
   @abc.abstractmethod
   def _compress(self, grad, state, plan):

@@ -1,0 +1,195 @@
+"""Tests of the bucket kernels (tf_adacomp.ops.adacomp_bucket): several tensors in one XLA
+call and one payload, bit-identical to the per-tensor kernels, and checked against the
+independent NumPy reference (numpy_reference.py: the per-tensor algorithm and its own
+bucket unpacker written from docs/wire_format.md#buckets)."""
+
+import hypothesis
+from hypothesis import strategies as st
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import numpy_reference as ref
+from tf_adacomp.ops import adacomp
+from tf_adacomp.ops import adacomp_bucket
+
+
+def _random(shapes, rng, dtype=np.float32, scale=1.0):
+  return [(rng.standard_normal(s) * scale * (rng.random(s) > 0.05)).astype(dtype)
+          for s in shapes]
+
+
+def _per_tensor(grads, residues, bin_size, max_density, scale, rows=1):
+  """What the per-tensor kernels give for each tensor: (new residue, decoded)."""
+  out = []
+  for g, r in zip(grads, residues):
+    payload, new = adacomp.adacomp_compress(g, r, bin_size, max_density, scale=scale)
+    decoded = adacomp.adacomp_decompress(
+        tf.stack([payload] * rows), g.shape, tf.float32 if g.dtype != np.float64 else tf.float64,
+        scale=scale, bin_size=bin_size if scale == "bin" else None)
+    out.append((new.numpy(), decoded.numpy()))
+  return out
+
+
+def _check_bit_identical(shapes, bin_size, max_density, scale, seed, dtype=np.float32,
+                         nan_at=None, rows=2):
+  rng = np.random.default_rng(seed)
+  grads = _random(shapes, rng, dtype, scale=rng.choice([1e-6, 1.0, 1e3]))
+  residues = _random(shapes, rng, np.float64 if dtype == np.float64 else np.float32, 0.3)
+  if nan_at is not None:
+    grads[nan_at].flat[0] = np.nan
+  payload, new = adacomp_bucket.compress(grads, residues, bin_size, max_density, scale)
+  lay = adacomp_bucket.layout([g.size for g in grads], bin_size, max_density, scale)
+  assert payload.shape == [lay.width] and payload.dtype == tf.int32
+  out_dtype = tf.float64 if dtype == np.float64 else tf.float32
+  decoded = adacomp_bucket.decompress(tf.stack([payload] * rows), shapes, out_dtype,
+                                      bin_size, max_density, scale)
+  expected = _per_tensor(grads, residues, bin_size, max_density, scale, rows)
+  for t, ((want_residue, want_decoded), got_residue, got_decoded) in enumerate(
+      zip(expected, new, decoded)):
+    np.testing.assert_array_equal(got_residue.numpy(), want_residue, err_msg=f"residue {t}")
+    np.testing.assert_array_equal(got_decoded.numpy(), want_decoded, err_msg=f"decoded {t}")
+  return grads, residues, payload
+
+
+# ------------------------------------------------------- 1. bit-identical to per tensor
+
+
+MLP_LIKE = ([(300, 40), (40,), (40, 10), (10,), (1,)], 500)
+CONV_LIKE = ([(3, 3, 8, 16), (16,), (3, 3, 16, 16), (7,)], 50)
+
+
+@pytest.mark.parametrize("bucket,max_density,scale", [
+    (MLP_LIKE, 0.25, "tensor"), (MLP_LIKE, 1.0, "bin"),
+    (CONV_LIKE, 0.01, "tensor"), (CONV_LIKE, 0.25, "bin")])
+def test_a_bucket_is_bit_identical_to_per_tensor_kernels(bucket, max_density, scale):
+  # Short last bins, tensors smaller than a word, and capacities that overflow.
+  shapes, bin_size = bucket
+  _check_bit_identical(shapes, bin_size, max_density, scale, seed=len(shapes))
+
+
+# Sizes from a few values (each new layout compiles two kernels): around a word, a bin
+# and capacities of one code.
+@hypothesis.settings(max_examples=8, deadline=None)
+@hypothesis.given(
+    sizes=st.lists(st.sampled_from([1, 3, 31, 33, 64, 501, 700]), min_size=1, max_size=4),
+    bin_size=st.sampled_from([1, 7, 32, 50, 500]),
+    max_density=st.sampled_from([1.0, 0.25, 0.02]),
+    scale=st.sampled_from(["tensor", "bin"]),
+    seed=st.integers(0, 2**31 - 1))
+def test_any_bucket_is_bit_identical_to_per_tensor_kernels(sizes, bin_size, max_density,
+                                                             scale, seed):
+  _check_bit_identical([(n,) for n in sizes], bin_size, max_density, scale, seed)
+
+
+def test_float64_buckets_are_bit_identical_too():
+  _check_bit_identical([(40, 30), (30,)], 50, 0.25, "tensor", 3, dtype=np.float64)
+
+
+@pytest.mark.parametrize("scale", ["tensor", "bin"])
+def test_one_non_finite_tensor_keeps_its_residue_and_decodes_to_nan_alone(scale):
+  grads, residues, payload = _check_bit_identical(
+      [(200,), (3, 100), (64,)], 50, 0.25, scale, 4, nan_at=1)
+  _, new = adacomp_bucket.compress(grads, residues, 50, 0.25, scale)
+  np.testing.assert_array_equal(new[1].numpy(), residues[1])  # kept as it was
+  assert int(payload[4 + 1]) == -1  # tensor 1's count marks it
+  decoded = adacomp_bucket.decompress(payload, [(200,), (3, 100), (64,)], tf.float32, 50,
+                                      0.25, scale)
+  assert np.isnan(decoded[1].numpy()).all()
+  assert np.isfinite(decoded[0].numpy()).all() and np.isfinite(decoded[2].numpy()).all()
+  assert np.count_nonzero(decoded[0].numpy()) > 0  # the others were sent
+
+
+# ------------------------------------------------------ 2. against the NumPy reference
+
+
+@pytest.mark.parametrize("scale", ["tensor", "bin"])
+def test_the_payload_matches_the_numpy_reference(scale):
+  rng = np.random.default_rng(5)
+  shapes = [(30, 40), (40,), (40, 10), (10,)]
+  sizes = [30 * 40, 40, 400, 10]
+  grads, residues = _random(shapes, rng), _random(shapes, rng, scale=0.3)
+  payload, new = adacomp_bucket.compress(grads, residues, 50, 0.05, scale)
+  got = ref.unpack_bucket(payload.numpy(), sizes, 50, per_bin=(scale == "bin"))
+  assert got.flags & ref.BUCKET_FLAG
+  assert bool(got.flags & ref.BIN_SCALE_FLAG) == (scale == "bin")
+  bin_start = 0
+  for t, (g, r) in enumerate(zip(grads, residues)):
+    if scale == "bin":
+      want = ref.reference_compress_per_bin(g, r, 50, 0.05)
+      bins = ref.bins_for(g.size, 50)
+      np.testing.assert_array_equal(got.scales[bin_start:bin_start + bins], want.scales)
+      bin_start += bins
+    else:
+      want = ref.reference_compress(g, r, 50, 0.05)
+      # The mean of the bin maxima may differ from the exact one by an ulp.
+      assert ref.ulp_diff_f32(got.scales[t], want.scale) <= 1
+      want = ref.reference_compress(g, r, 50, 0.05, scale=got.scales[t])
+    assert got.counts[t] == want.count
+    assert got.pairs[t] == want.pairs()
+    np.testing.assert_array_equal(new[t].numpy(), want.new_residue)
+  assert got.count == sum(got.counts)
+
+
+def test_tensor_nbytes_add_up_to_the_used_words():
+  rng = np.random.default_rng(6)
+  shapes = [(500, 20), (20,), (20, 3)]
+  grads, residues = _random(shapes, rng), _random(shapes, rng)
+  for scale in ("tensor", "bin"):
+    payload, _ = adacomp_bucket.compress(grads, residues, 50, 0.25, scale)
+    lay = adacomp_bucket.layout([10000, 20, 60], 50, 0.25, scale)
+    shares = adacomp_bucket.tensor_nbytes(payload, [10000, 20, 60], 50, 0.25, scale).numpy()
+    count = int(payload[0])
+    assert shares.sum() == 4 * (lay.header_words + -(-count * lay.bits // 32))
+    assert (shares > 0).all()
+    # The used words are all that a receiver needs: the rest of the payload is zeros.
+    assert not payload.numpy()[shares.sum() // 4:].any()
+
+
+# -------------------------------------------------- 3. corrupt payloads and bad input
+
+
+def _bucket_payload():
+  rng = np.random.default_rng(7)
+  shapes = [(300,), (40, 5)]
+  payload, _ = adacomp_bucket.compress(_random(shapes, rng), _random(shapes, rng), 50, 0.25)
+  return payload.numpy(), shapes
+
+
+@pytest.mark.parametrize("word,value", [(0, -1), (0, 10**6), (1, 7), (2, 3), (3, 9), (4, 10**6)])
+def test_a_payload_that_does_not_match_its_layout_decodes_to_nan_everywhere(word, value):
+  payload, shapes = _bucket_payload()
+  payload[word] = value
+  for decoded in adacomp_bucket.decompress(payload, shapes, tf.float32, 50, 0.25):
+    assert np.isnan(decoded.numpy()).all()
+
+
+@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.given(seed=st.integers(0, 2**31 - 1), keep_header=st.booleans())
+def test_random_words_never_crash_and_never_write_outside_their_tensors(seed, keep_header):
+  payload, shapes = _bucket_payload()
+  rng = np.random.default_rng(seed)
+  start = 4 + 2 + 2 if keep_header else 0
+  payload[start:] = rng.integers(-2**31, 2**31, payload.size - start, dtype=np.int64)
+  decoded = adacomp_bucket.decompress(payload, shapes, tf.float32, 50, 0.25)
+  assert [d.shape for d in decoded] == [tuple(s) for s in shapes]
+
+
+def test_bad_arguments_are_refused_naming_them():
+  x = tf.zeros([10])
+  with pytest.raises(ValueError, match="grads"):
+    adacomp_bucket.compress([], [], 50)
+  with pytest.raises(ValueError, match="residues"):
+    adacomp_bucket.compress([x, x], [x], 50)
+  with pytest.raises(ValueError, match="share one dtype"):
+    adacomp_bucket.compress([x, tf.zeros([3], tf.float64)], [x, tf.zeros([3])], 50)
+  with pytest.raises(ValueError, match="grads\\[1\\]"):
+    adacomp_bucket.compress([x, tf.zeros([3])], [x, tf.zeros([4])], 50)
+  with pytest.raises(ValueError, match="bin_size"):
+    adacomp_bucket.compress([x], [x], 0)
+  with pytest.raises(ValueError, match="max_density"):
+    adacomp_bucket.compress([x], [x], 5, max_density=2.0)
+  with pytest.raises(ValueError, match="payload"):
+    adacomp_bucket.decompress(tf.zeros([3], tf.int32), [[10]], tf.float32, 5)
+  with pytest.raises(ValueError, match="shapes"):
+    adacomp_bucket.decompress(tf.zeros([3], tf.int32), [], tf.float32, 5)
