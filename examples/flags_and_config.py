@@ -93,6 +93,8 @@ flags.DEFINE_string("model_dir", None, "Checkpoints (with residues, resumed from
 flags.DEFINE_string("data_dir", None, "tensorflow-datasets data directory (Fashion-MNIST: "
                     "also a directory of IDX files).")
 flags.DEFINE_boolean("synthetic", False, "Random data of the real shapes (smoke runs).")
+flags.DEFINE_boolean("xla_cache", None, "Keep compiled XLA programs on disk and reuse them "
+                     "across devices and runs (tf_adacomp.xla_cache; default true).")
 flags.DEFINE_integer("seed", None, "Random seed of weights and data order.")
 flags.DEFINE_integer("verbose", None, "Keras fit verbosity: 0 silent, 1 progress bar, "
                      "2 one line per epoch.")
@@ -131,6 +133,7 @@ class Config:
   model_dir: Optional[str] = None
   data_dir: Optional[str] = None
   synthetic: bool = False
+  xla_cache: bool = True  # tf_adacomp.xla_cache, when the process has not started TF yet
   seed: int = 0
   verbose: int = 1
   options: Dict[str, Any] = dataclasses.field(default_factory=dict)  # the example's own

@@ -6,6 +6,9 @@ flags), ``load_data(config) -> input_data.Data`` and ``build_model(config, data)
 (more callbacks for ``fit``; those with a ``summary() -> dict`` method add its entries to
 the summary); ``train(example, config)`` does the rest:
 
+  0. unless ``--noxla_cache``, TensorFlow's persistent XLA cache (``tf_adacomp.xla_cache``,
+     in a process that has not started TensorFlow yet): each kernel compiles once, not
+     once per replica device;
   1. the strategy (``distribution.make_strategy``: ``--strategy``, ``--replicas``; logical
      devices where there are fewer GPUs than replicas), made before anything else touches
      TensorFlow's devices;
@@ -29,6 +32,7 @@ from typing import Any, Dict
 import keras
 
 import tf_adacomp
+from tf_adacomp import xla_cache
 from tf_adacomp.examples import input_data
 from tf_adacomp.examples import distribution
 from tf_adacomp.examples import flags_and_config
@@ -50,6 +54,9 @@ def train(example, config, callbacks=()) -> Dict[str, Any]:
   """
   flags_and_config.validate(config)
   start = time.perf_counter()
+  if config.xla_cache and xla_cache.can_enable():
+    # Each kernel compiles once, not once per replica device (and not again next run).
+    xla_cache.enable()
   # First: logical devices need TensorFlow's devices untouched.
   strategy = distribution.make_strategy(config)
 

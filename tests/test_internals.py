@@ -63,7 +63,7 @@ PRIVATE_NAMES = (
     "tensorflow.python.distribute.cross_device_ops", "_gather_implementation", "_gather",
     "get_devices_from", "tensorflow.python.distribute.distribute_utils.regroup",
     "tensorflow.python.distribute.values", "tensorflow.python.ops.resource_variable_ops",
-    "keras.src.saving.serialization_lib",
+    "keras.src.saving.serialization_lib", "_initialized",
 )
 
 
@@ -172,6 +172,14 @@ def test_keras_model_distribute_strategy():
   with strategy.scope():
     model = keras.Sequential([keras.layers.Dense(1)])
   assert internals.own_distribute_strategy(model) is strategy
+
+
+def test_eager_context_initialized():
+  # conftest has started TensorFlow: the flag is there and says so.
+  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
+  _require_attribute(context.context(), "_initialized", "tensorflow.python.eager.context.Context")
+  tf.constant(1.0)
+  assert internals.eager_context_initialized() is True
 
 
 @pytest.mark.parametrize("path", ["TensorFlowTrainer._maybe_symbolic_build",

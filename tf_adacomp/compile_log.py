@@ -71,7 +71,7 @@ class FirstCompile:
                      "step in %.1f s.", self.what, count, time.monotonic() - started)
       return
     LOGGER.warning("tf_adacomp: %s's first compressed step compiles %d XLA programs "
-                   "(once per shape; tens of seconds on CPU)...", self.what, count)
+                   "(once per bucket or shape; seconds to tens of seconds on CPU)...", self.what, count)
     if not tf.compat.v1.executing_eagerly_outside_functions():
       return  # TF1 graph mode: nothing to wait on from here
     begun = time.monotonic()

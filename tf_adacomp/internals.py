@@ -27,6 +27,9 @@ Accessors of this module
   when the model was not made under a strategy scope; the public
   ``distribute_strategy`` falls back to the current strategy instead). Used by
   ``keras_fixes`` (the wrapped ``_maybe_symbolic_build``).
+- ``eager_context_initialized()``: ``tensorflow.python.eager.context.context()._initialized``
+  (whether TensorFlow's runtime has started, after which it no longer reads
+  ``TF_XLA_FLAGS``). Used by ``xla_cache.enable``.
 - ``keras_tensorflow_trainer()``: the module ``keras.src.backend.tensorflow.trainer``,
   with ``TensorFlowTrainer._maybe_symbolic_build``, ``reduce_per_replica`` and
   ``_collective_all_reduce_multi_worker``: the functions ``keras_fixes`` wraps
@@ -67,6 +70,7 @@ from typing import List
 
 __all__ = [
     "cross_device_ops_of",
+    "eager_context_initialized",
     "flatten_layers",
     "in_multi_worker_mode",
     "keras_tensorflow_trainer",
@@ -114,6 +118,12 @@ def in_multi_worker_mode(strategy) -> bool:
 def own_distribute_strategy(model):
   """The strategy ``model`` was created under, or None (Keras' TensorFlow trainer)."""
   return model._distribute_strategy  # pylint: disable=protected-access
+
+
+def eager_context_initialized() -> bool:
+  """Whether TensorFlow's eager runtime has started (devices and flags are then fixed)."""
+  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
+  return bool(context.context()._initialized)  # pylint: disable=protected-access
 
 
 def keras_tensorflow_trainer():

@@ -324,8 +324,10 @@ def dense_from_pairs_per_bin(pairs, scales, n: int, bin_size: int,
 
 # ----------------------------------------------------------------- buckets (several tensors)
 # docs/wire_format.md#buckets: [count, bits | 512 (| 256 for per-bin scales), tensors T,
-# scale words S, T counts (-1: not finite), S scale words, packed codes]; tensor t's
-# positions start at 32 * (the words of the tensors before it).
+# scale words S, T counts (-1: not finite), S scale words, packed codes]. Codes carry a
+# position within their tensor, in code_bits(largest tensor) bits, tensor by tensor
+# (count_t of them each); in the decoded bucket, tensor t starts at 32 * (the words of
+# the tensors before it).
 
 BUCKET_FLAG = 1 << 9
 BIN_SCALE_FLAG = 1 << 8
@@ -357,9 +359,9 @@ def unpack_bucket(payload, sizes, bin_size, per_bin=False) -> DecodedBucket:
     scales = halves.view(np.float32)[:sum(bins_for(n, bin_size) for n in sizes)]
   else:
     scales = body.view(np.float32)
-  offsets, total = bucket_offsets(sizes)
   bits = (flags & 0xFF)
-  assert bits == code_bits(total)
+  assert bits == code_bits(max(sizes))
+  ends = np.cumsum(np.maximum(counts, 0))
   stream = np.unpackbits(words[4 + tensors + scale_words:].astype("<i4").view(np.uint8),
                          bitorder="little")
   weights = 1 << np.arange(bits, dtype=np.uint64)
@@ -367,7 +369,7 @@ def unpack_bucket(payload, sizes, bin_size, per_bin=False) -> DecodedBucket:
   for j in range(count):
     code = int((stream[j * bits:(j + 1) * bits].astype(np.uint64) * weights).sum())
     pos, neg = code >> 1, bool(code & 1)
-    t = max(i for i, o in enumerate(offsets) if o <= pos)
-    assert pos - offsets[t] < sizes[t], (pos, t)
-    pairs[t].add((pos - offsets[t], neg))
+    t = int(np.searchsorted(ends, j, side="right"))
+    assert pos < sizes[t], (pos, t)
+    pairs[t].add((pos, neg))
   return DecodedBucket(count, flags, counts, np.asarray(scales, np.float32), pairs)

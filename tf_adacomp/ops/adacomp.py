@@ -210,7 +210,7 @@ def _bin_maxima(magnitude, bin_size: int):
   return tf.concat(parts, 0) if len(parts) > 1 else (parts[0] if parts else magnitude)
 
 
-def _packed_codes(words, signs, cap: int, total, bits: int):
+def _packed_codes(words, signs, cap: int, total, bits: int, index_of=None):
   """The bit-packed codes of the sent elements, as int32 words for ``cap`` codes.
 
   Compaction and packing cost grows with the number of slots, and AdaComp usually
@@ -218,6 +218,8 @@ def _packed_codes(words, signs, cap: int, total, bits: int):
   or the capacity) that holds the selection is the one encoded, and the rest of the
   buffer is zeros. The branches take only bitmaps (``words``, the selection, and
   ``signs``, G < 0), n/32 words each: XLA:CPU copies a conditional's operands into it.
+  ``index_of`` maps the bitmap's positions to the index a code carries (a bucket sends
+  positions within each tensor); by default they are the same.
   """
   full_words = bitpack.packed_words(cap, bits)
 
@@ -226,8 +228,8 @@ def _packed_codes(words, signs, cap: int, total, bits: int):
     negative = tf.bitwise.bitwise_and(
         tf.bitwise.right_shift(tf.gather(signs, positions // compaction.WORD_BITS),
                                tf.cast(positions % compaction.WORD_BITS, tf.uint32)), 1)
-    codes = tf.bitwise.bitwise_or(
-        tf.bitwise.left_shift(tf.cast(positions, tf.uint32), 1), negative)
+    index = positions if index_of is None else index_of(positions)
+    codes = tf.bitwise.bitwise_or(tf.bitwise.left_shift(tf.cast(index, tf.uint32), 1), negative)
     packed = tf.bitcast(bitpack.pack(codes, bits), tf.int32)
     return tf.pad(tf.reshape(packed, [-1]), [[0, full_words - int(packed.shape[0])]])
 
@@ -254,9 +256,11 @@ def _mean_as_float32(values):
   return tf.cast(safe_top * tf.reduce_mean(values / safe_top), tf.float32)
 
 
-def _add_codes(total, words, count, n: int, cap: int, bits: int, values_at):
+def _add_codes(total, words, count, n: int, cap: int, bits: int, values_at, locate=None):
   """``total`` (``[n + 1]``, the last element a sink) plus one payload's codes:
   ``values_at(positions, negative)`` added at each of its first ``count`` positions.
+  ``locate(slots, indices)`` maps the indices the codes carry (for ``slots``, the codes'
+  ordinals) to positions in ``total``, n or more for none; by default they are the same.
 
   Only the smallest tier (``n / d`` for d in ``DECODE_TIERS``, or ``cap``) that holds
   ``count`` codes is unpacked (they are packed in order, so they are its first words),
@@ -270,8 +274,11 @@ def _add_codes(total, words, count, n: int, cap: int, bits: int, values_at):
   def add(slots):
     codes = bitpack.unpack(words[:bitpack.packed_words(slots, bits)], slots, bits)
     positions = tf.cast(tf.bitwise.right_shift(codes, 1), tf.int32)
+    ordinals = tf.range(slots, dtype=tf.int32)
+    if locate is not None:
+      positions = locate(ordinals, positions)
     negative = tf.bitwise.bitwise_and(codes, 1) > 0
-    valid = (tf.range(slots, dtype=tf.int32) < count) & (positions < n)
+    valid = (ordinals < count) & (positions < n)
     values = values_at(tf.where(valid, positions, 0), negative)
     return tf.tensor_scatter_nd_add(total, tf.where(valid, positions, n)[:, None],
                                     tf.where(valid, values, tf.zeros_like(values)))

@@ -21,7 +21,9 @@ Wire format (docs/wire_format.md#buckets), int32 words::
     [count, bits | BUCKET_FLAG (| BIN_SCALE_FLAG), tensors T, scale words S,
      count_0 .. count_{T-1},           (-1: tensor t was not finite and decodes to NaN)
      S scale words,                    (T float32 scales, or the real bins' bfloat16 scales)
-     packed codes...]                  (position in the bucket << 1 | (G < 0), bits each)
+     packed codes...]                  (position in its tensor << 1 | (G < 0), bits each:
+                                        the largest tensor's index bits + 1; tensor by
+                                        tensor, count_t codes each, positions increasing)
 """
 
 import dataclasses
@@ -73,7 +75,8 @@ class Layout:
 
   @property
   def bits(self) -> int:
-    return adacomp.index_bits(self.total) + 1
+    """Code width: a position within its tensor (of the largest tensor) and a sign."""
+    return adacomp.index_bits(max(self.sizes)) + 1
 
   @functools.cached_property
   def caps(self) -> Tuple[int, ...]:
@@ -209,9 +212,20 @@ def _compress(grads, residues, lay: Layout):
                      tf.constant(lay.scale_words, tf.int32)])
   # -1: this tensor was not finite (it sent nothing and kept its residue).
   marked = tf.stack([tf.where(p[2], c, -1) for p, c in zip(parts, counts)])
-  codes = adacomp._packed_codes(words, signs, lay.cap, count, lay.bits)  # pylint: disable=protected-access
+  offsets = tf.constant(lay.offsets, tf.int32)
+
+  def index_of(positions):  # a code carries the position within its own tensor
+    return positions - tf.gather(offsets, _tensor_of(positions, lay))
+
+  codes = adacomp._packed_codes(words, signs, lay.cap, count, lay.bits, index_of)  # pylint: disable=protected-access
   payload = tf.concat([header, marked, scale_body, codes], 0)
   return payload, [p[4](k) for p, k in zip(parts, kept)]
+
+
+def _tensor_of(positions, lay: Layout):
+  """Which tensor each bucket position lies in: T comparisons per code."""
+  return tf.reduce_sum(tf.cast(positions[:, None] >= tf.constant(lay.offsets[1:], tf.int32),
+                               tf.int32), 1)
 
 
 def _decompress(payload, lay: Layout, shapes, dtype):
@@ -220,6 +234,7 @@ def _decompress(payload, lay: Layout, shapes, dtype):
   cd = checks.compute_dtype(dtype)
   caps = tf.constant(lay.caps, tf.int32)
   offsets = tf.constant(lay.offsets, tf.int32)
+  sizes = tf.constant(lay.sizes, tf.int32)
   bin_offsets = tf.constant(lay.bin_offsets, tf.int32)
   total, bad = tf.zeros([lay.total + 1], cd), tf.constant(False)
   bad_tensor = [tf.constant(False)] * tensors
@@ -235,9 +250,18 @@ def _decompress(payload, lay: Layout, shapes, dtype):
       bad_tensor = [x | tf.logical_not(tf.math.is_finite(scales[t]))
                     for t, x in enumerate(bad_tensor)]
 
+    # Codes come tensor by tensor, each tensor's count of them (-1: none).
+    ends = tf.cumsum(tf.maximum(counts, 0))
+
+    def locate(ordinals, local, ends=ends):
+      tensor = tf.minimum(tf.reduce_sum(tf.cast(ordinals[:, None] >= ends, tf.int32), 1),
+                          tensors - 1)
+      # A position beyond its tensor (a corrupt payload) goes to the sink.
+      return tf.where(local < tf.gather(sizes, tensor), tf.gather(offsets, tensor) + local,
+                      lay.total)
+
     def values_at(positions, negative, scales=scales):
-      # Which tensor each position lies in: T comparisons per code sent.
-      tensor = tf.reduce_sum(tf.cast(positions[:, None] >= offsets[1:], tf.int32), 1)
+      tensor = _tensor_of(positions, lay)
       if lay.scale == "bin":
         local = positions - tf.gather(offsets, tensor)
         magnitude = tf.gather(scales, tf.gather(bin_offsets, tensor) + local // b)
@@ -247,7 +271,7 @@ def _decompress(payload, lay: Layout, shapes, dtype):
 
     total = adacomp._add_codes(  # pylint: disable=protected-access
         total, tf.bitcast(rows[row, lay.header_words:], tf.uint32), count, lay.total, lay.cap,
-        lay.bits, values_at)
+        lay.bits, values_at, locate)
     # A payload that is not what this layout expects makes the whole bucket NaN.
     bad |= ((rows[row, 1] != lay.flags) | (rows[row, 2] != tensors)
             | (rows[row, 3] != lay.scale_words) | (count < 0) | (count > lay.cap)
