@@ -314,8 +314,8 @@ def compress(grads, residues, bin_size: int, max_density: float = 1.0,
 
   Returns:
     ``(payload, new_residues)``: a 1-D int32 payload of static length
-    ``layout(sizes, ...).width`` (see the module doc; only ``payload_nbytes`` bytes of it
-    need to be sent), and the list of new residues. A tensor whose ``grad + residue``
+    ``layout(sizes, ...).width`` (see the module doc; only the sum of ``tensor_nbytes``
+    bytes of it need to be sent), and the list of new residues. A tensor whose ``grad + residue``
     is not finite sends nothing, keeps its residue, and decodes to NaN.
 
   Raises:
