@@ -6,8 +6,8 @@ in three stages, so that only the middle one depends on how payloads travel:
 1. ``Exchange.compress``, on each replica: its gradients become payloads and new
    compressor states. Summable payloads (dense tensors, e.g. a float16 cast) are kept
    whole (and all-reduced joined, one buffer per dtype); compact payloads (AdaComp, FFT,
-   top-k) come one per bucket (``Compressor.buckets``: one tensor each, or with
-   ``AdaComp(fuse=True)`` the tensors of one bin size in one payload), are trimmed to their used
+   top-k) come one per bucket (``Compressor.buckets``: AdaComp fuses the tensors of one
+   bin size into one payload, the others send one per tensor), are trimmed to their used
    words and joined in one buffer, with their lengths in a second one (``Outgoing``).
 2. Moving them: in a replica context with the strategy's collectives
    (``Exchange.replica_exchange``: one ``all_reduce`` of the summable payloads and two
