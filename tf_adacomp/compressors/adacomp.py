@@ -31,14 +31,13 @@ class AdaComp(base.Compressor):
       counted in ``payload_nbytes``; docs/wire_format.md). Finer scales leave less
       rounding error in the residue where parts of a tensor differ in magnitude (LSTM
       gates, embedding rows); docs/convergence.md measures what that buys.
-    fuse: bool, default False. True compresses all the tensors of one exchange that
-      share a bin size and a dtype in one XLA call, sent as one payload (a bucket, as
-      Horovod's tensor fusion does for all-reduces): one compiled program per bucket
-      instead of one per shape, and no fixed cost per tensor. Bit-identical, tensor by
-      tensor, to compressing each on its own (``ops.adacomp_bucket``); the payload's
-      header holds each tensor's scale and count (docs/wire_format.md#buckets). Not yet
-      the default: one full test-suite run crashed (a segfault inside TensorFlow, not
-      reproduced since) with it on.
+    fuse: bool, default True. Compress all the tensors of one exchange that share a bin
+      size and a dtype in one XLA call, sent as one payload (a bucket, as Horovod's
+      tensor fusion does for all-reduces): one compiled program per bucket instead of
+      one per shape, and no fixed cost per tensor. Bit-identical, tensor by tensor, to
+      compressing each on its own (``ops.adacomp_bucket``); the payload's header holds
+      each tensor's scale and count (docs/wire_format.md#buckets). False sends one
+      payload per tensor.
 
   Raises:
     ValueError: a bin size < 1, ``max_density`` outside (0, 1], ``min_size`` < 0,
@@ -47,7 +46,7 @@ class AdaComp(base.Compressor):
 
   def __init__(self, conv_bin_size: int = 50, dense_bin_size: int = 500,
                recurrent_bin_size: int = 500, bin_sizes=None, max_density: float = 0.25,
-               min_size: int = 0, scale: str = "tensor", fuse: bool = False):
+               min_size: int = 0, scale: str = "tensor", fuse: bool = True):
     super().__init__(min_size=min_size)
     self.conv_bin_size = checks.positive_int(conv_bin_size, "conv_bin_size")
     self.dense_bin_size = checks.positive_int(dense_bin_size, "dense_bin_size")
@@ -148,6 +147,6 @@ class AdaComp(base.Compressor):
   def _optional_config(self):
     # Only when not the default: configs saved before the options existed stay equal.
     config = {} if self.scale == "tensor" else {"scale": self.scale}
-    if self.fuse:
-      config["fuse"] = True
+    if not self.fuse:
+      config["fuse"] = False
     return config
