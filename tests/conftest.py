@@ -30,3 +30,40 @@ def unpatched_keras():
   keras_fixes.revert_keras_multi_worker_fix()
   if was_applied:
     keras_fixes.apply_keras_multi_worker_fix()
+
+
+# XLA:CPU maps about three memory regions per compiled kernel (code, constants, data)
+# and keeps them for the life of the process; an AdaComp program has ~50 kernels. Past
+# Linux's vm.max_map_count (65530 by default) the next mmap fails and TensorFlow
+# segfaults, so a process must not compile the whole suite's programs: the README runs
+# it in two (pytest-xdist, -n 2 --dist loadfile), and this stops a run, with the reason,
+# before it gets there.
+_MAPS = "/proc/self/maps"
+_MAPS_LIMIT = "/proc/sys/vm/max_map_count"
+_MAPS_LOG = os.environ.get("TF_ADACOMP_MAPS_LOG")
+
+
+def _count_lines(path):
+  with open(path) as f:
+    return sum(1 for _ in f)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+  """Stops the run at 90% of vm.max_map_count; with TF_ADACOMP_MAPS_LOG=FILE, also
+  appends each test's mapping count and id to FILE (to find the tests that compile most)."""
+  del location
+  if not (os.path.exists(_MAPS) and os.path.exists(_MAPS_LIMIT)):
+    return  # not Linux
+  count = _count_lines(_MAPS)
+  if _MAPS_LOG:
+    with open(_MAPS_LOG, "a") as log:
+      log.write(f"{count} {nodeid}\n")
+  with open(_MAPS_LIMIT) as f:
+    limit = int(f.read())
+  if count > 0.9 * limit:
+    pytest.exit(
+        f"after {nodeid}, this test process holds {count} memory mappings, near "
+        f"vm.max_map_count ({limit}): XLA:CPU keeps ~3 per compiled kernel until the "
+        f"process ends, and TensorFlow segfaults at the limit. Run the suite in two "
+        f"processes as the README does (python -m pytest tests -n 2 --dist loadfile), or "
+        f"raise vm.max_map_count.", returncode=3)
