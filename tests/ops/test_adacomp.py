@@ -19,6 +19,7 @@ from tf_adacomp.ops import adacomp_compress
 from tf_adacomp.ops import adacomp_decompress
 from tf_adacomp.ops import payload_nbytes
 from tf_adacomp.ops import payload_words
+from tf_adacomp.ops import adacomp as adacomp_ops
 
 NP_DTYPES = {
     "float16": np.float16,
@@ -702,21 +703,23 @@ def _payload_with_count(count, n, cap, rng, scale=0.75):
   return payload, {(int(p), bool(g)) for p, g in zip(positions, negative)}
 
 
-def test_decoding_reads_only_the_counted_codes_in_every_decoder_tier():
-  # n = 20,000, capacity 5,000: decoder tiers of 79, 313, 1,250 and 5,000 codes. Counts
-  # on each side of each boundary decode exactly what the NumPy reference does, and the
-  # random words after the count never reach the result.
+def test_decoding_reads_only_the_counted_codes_in_every_decoder_chunk():
+  # n = 20,000, capacity 5,000: the decoder's loop adds chunks of DECODE_CHUNK (2,048)
+  # codes, three for a full payload. Counts on each side of each chunk boundary decode
+  # exactly what the NumPy reference does, and the random words after the count (and
+  # after the capacity, in the last chunk) never reach the result.
+  assert adacomp_ops.DECODE_CHUNK == 2048
   n, cap = 20000, 5000
   rng = np.random.default_rng(11)
   rows, expected = [], np.zeros([n], np.float32)
-  for count in (0, 1, 79, 80, 313, 314, 1250, 1251, 4999, 5000):
+  for count in (0, 1, 2047, 2048, 2049, 4095, 4096, 4097, 4999, 5000):
     payload, pairs = _payload_with_count(count, n, cap, rng)
     got = adacomp_decompress(tf.constant(payload), [n], tf.float32).numpy()
     np.testing.assert_array_equal(got, ref.dense_from_pairs(pairs, np.float32(0.75), n))
-    if count in (1, 314, 1251):
+    if count in (1, 2049, 4097):
       rows.append(payload)
       expected += ref.dense_from_pairs(pairs, np.float32(0.75), n)
-  # Gathered rows, each in its own tier, add up in row order.
+  # Gathered rows, each ending in another chunk, add up in row order.
   summed = adacomp_decompress(tf.constant(np.stack(rows)), [n], tf.float32).numpy()
   np.testing.assert_array_equal(summed, expected)
 
@@ -727,9 +730,9 @@ def test_decoding_reads_only_the_counted_codes_in_every_decoder_tier():
     scale=st.sampled_from([1e-40, 1e-3, 0.75, 3.0e38]),  # subnormal to near float32's max
     seed=st.integers(0, 2**32 - 1))
 def test_decoding_any_counts_matches_the_reference(counts, scale, seed):
-  # One static shape (n 3,000, capacity 750: tiers of 12, 47, 188 and 750 codes) so that
-  # the kernel compiles once per number of rows; counts, positions, signs, scales and
-  # the bits after the count are drawn.
+  # One static shape (n 3,000, capacity 750: one decoder chunk) so that the kernel
+  # compiles once per number of rows; counts, positions, signs, scales and the bits
+  # after the count are drawn.
   n, cap = 3000, 750
   rng = np.random.default_rng(seed)
   built = [_payload_with_count(c, n, cap, rng, scale) for c in counts]
@@ -738,7 +741,7 @@ def test_decoding_any_counts_matches_the_reference(counts, scale, seed):
     for _, pairs in built:
       expected = expected + ref.dense_from_pairs(pairs, np.float32(scale), n)
   # XLA:CPU computes with subnormals flushed to zero: a subnormal scale decodes as 0
-  # (the decoder before the tiers did the same).
+  # (every decoder so far has done the same).
   expected[np.abs(expected) < np.finfo(np.float32).tiny] = 0
   got = adacomp_decompress(tf.constant(np.stack([p for p, _ in built])), [n], tf.float32)
   np.testing.assert_array_equal(got.numpy(), expected)

@@ -57,15 +57,22 @@ def _check_bit_identical(shapes, bin_size, max_density, scale, seed, dtype=np.fl
 
 MLP_LIKE = ([(300, 40), (40,), (40, 10), (10,), (1,)], 500)
 CONV_LIKE = ([(3, 3, 8, 16), (16,), (3, 3, 16, 16), (7,)], 50)
+# Bins of one element select (nearly) every element: ~5,000 codes, so the decoder's loop
+# adds three chunks of DECODE_CHUNK (2,048) codes and the first tensor ends inside the
+# second.
+EVERY_ELEMENT = ([(3000,), (40, 50)], 1)
 
 
 @pytest.mark.parametrize("bucket,max_density,scale", [
     (MLP_LIKE, 0.25, "tensor"), (MLP_LIKE, 1.0, "bin"),
-    (CONV_LIKE, 0.01, "tensor"), (CONV_LIKE, 0.25, "bin")])
+    (CONV_LIKE, 0.01, "tensor"), (CONV_LIKE, 0.25, "bin"), (EVERY_ELEMENT, 1.0, "tensor")])
 def test_a_bucket_is_bit_identical_to_per_tensor_kernels(bucket, max_density, scale):
   # Short last bins, tensors smaller than a word, and capacities that overflow.
   shapes, bin_size = bucket
-  _check_bit_identical(shapes, bin_size, max_density, scale, seed=len(shapes))
+  _, _, payload = _check_bit_identical(shapes, bin_size, max_density, scale,
+                                       seed=len(shapes))
+  if bucket is EVERY_ELEMENT:  # three chunks
+    assert int(payload[0]) > 2 * adacomp.DECODE_CHUNK
 
 
 # Sizes from a few values (each new layout compiles two kernels): around a word, a bin
