@@ -264,12 +264,13 @@ def _add_codes(total, words, count, n: int, cap: int, bits: int, values_at, loca
   A while loop unpacks and adds ``DECODE_CHUNK`` codes per iteration, for as many
   iterations as ``count`` needs (the codes are packed in order): decoding costs the codes
   sent, not the capacity, plus the zero fill of ``total``. A loop rather than tiers of a
-  conditional because XLA:CPU copies a conditional's operands in and its result out: with
-  ``total`` passing through a switch, decoding 4M elements took 20.8 ms against 7.1 ms
-  in the loop (docs/performance.md). A row's positions are distinct, so adding them in
+  conditional: with ``total`` passing through a switch, decoding 4M elements took 20.8 ms
+  against 7.1 ms in the loop (docs/performance.md; the times suggest that XLA:CPU copied
+  the sum into and out of the conditional). A row's positions are distinct, so adding them in
   chunks equals adding them at once, and adding a row's values to the running sum equals
   adding a dense copy of the row (``x + (0 + v) == x + v`` in floating point). A count
-  above ``cap`` (a corrupt payload; the caller marks it) reads the whole capacity.
+  above ``cap`` (a corrupt payload; the caller marks the result NaN) reads the whole
+  capacity and the zero padding after it, up to the end of the last chunk.
   """
   chunk = min(DECODE_CHUNK, -(-cap // 32) * 32)
   if chunk == 0:
