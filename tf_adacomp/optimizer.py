@@ -267,17 +267,22 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
   def _add_replica_variable(self, reference, spec, name):
     """A variable with one value per replica (each replica's residue is its own).
 
-    ``on_read`` synchronization keeps a separate copy on every replica; ``sum``
-    aggregation makes a checkpoint store the sum of the replicas' residues (the total
-    not yet sent) and a restore split it evenly, so nothing is lost across a restore,
-    whatever the number of replicas then.
+    ``on_read`` synchronization keeps a separate copy on every replica. A floating
+    state (a residue) has ``sum`` aggregation: a checkpoint stores the sum of the
+    replicas' residues (the total not yet sent) and a restore splits it evenly, so
+    nothing is lost across a restore, whatever the number of replicas then. An integer
+    state (the FFT compressor's step counter) is the same on every replica: a checkpoint
+    stores the first replica's and a restore gives it to every replica (summed, a restore
+    with fewer replicas would move the theta schedule forward;
+    tests/test_optimizer_restore.py).
     """
     # A plain tf.Variable (which Keras' optimizers accept too) is its own tf.Variable.
     colocate_with = reference.value if isinstance(reference, keras.Variable) else reference
+    aggregation = "sum" if spec.dtype.is_floating else "only_first_replica"
     with self._distribution_strategy.extended.colocate_vars_with(colocate_with):
       with keras.name_scope(self.name, caller=self):
         variable = keras.Variable(initializer="zeros", shape=spec.shape, dtype=spec.dtype.name,
-                                  trainable=False, aggregation="sum",
+                                  trainable=False, aggregation=aggregation,
                                   synchronization="on_read", name=name)
     self._track_variable(variable)
     return variable
