@@ -63,7 +63,7 @@ PRIVATE_NAMES = (
     "tensorflow.python.distribute.cross_device_ops", "_gather_implementation", "_gather",
     "get_devices_from", "tensorflow.python.distribute.distribute_utils.regroup",
     "tensorflow.python.distribute.values", "tensorflow.python.ops.resource_variable_ops",
-    "keras.src.saving.serialization_lib", "_initialized",
+    "keras.src.saving.serialization_lib", "_initialized", "_initial_epoch",
 )
 
 
@@ -172,6 +172,27 @@ def test_keras_model_distribute_strategy():
   with strategy.scope():
     model = keras.Sequential([keras.layers.Dense(1)])
   assert internals.own_distribute_strategy(model) is strategy
+
+
+def test_keras_model_initial_epoch_is_where_fit_starts():
+  # Keras' TensorFlowTrainer.fit reads `_initial_epoch` after on_train_begin (where
+  # backup.BackupAndRestore sets it): a fit of 3 epochs set to start at 2 runs one.
+  model = keras.Sequential([keras.Input([2]), keras.layers.Dense(1)])
+  model.compile(optimizer="sgd", loss="mse")
+  _require_attribute(model, "_initial_epoch", "keras.Model, internals.set_initial_epoch")
+  epochs = []
+
+  class StartAtTwo(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+      internals.set_initial_epoch(self.model, 2)
+
+    def on_epoch_begin(self, epoch, logs=None):
+      epochs.append(epoch)
+
+  model.fit(np.zeros([4, 2]), np.zeros([4, 1]), epochs=3, verbose=0,
+            callbacks=[StartAtTwo()])
+  _require(epochs == [2], "`_initial_epoch` as fit's starting epoch",
+           f"keras.Model.fit ran epochs {epochs}")
 
 
 def test_eager_context_initialized():

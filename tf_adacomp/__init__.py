@@ -11,7 +11,8 @@ Public API (a flat list, as in Keras and optax):
   adapt ``Exchange``, the one exchange engine, whose ``replica_exchange`` (also as a
   function) is the entry point for custom training loops (docs/distributed.md);
 - helpers: ``tf_adacomp.distribute`` (logical devices, strategies, TF_CONFIG, the Keras
-  multi-worker fix), ``CompressionStats`` (a Keras callback), ``schedules``
+  multi-worker fix), ``CompressionStats`` (a Keras callback), ``BackupAndRestore`` (Keras' callback
+  with atomic, chief-only backups for multi-worker training), ``schedules``
   (``WarmupDecay`` and ``LEGW``, learning-rate schedules for large batches);
 - ResIST: ``tf_adacomp.resist`` (a ResNet of sub-ResNets trained independently per replica);
 - kernels: ``tf_adacomp.ops`` (``adacomp_compress``, ``adacomp_decompress``,
@@ -29,6 +30,7 @@ from tf_adacomp import distribute
 from tf_adacomp import ops
 from tf_adacomp import resist
 from tf_adacomp import schedules
+from tf_adacomp.backup import BackupAndRestore
 from tf_adacomp.callbacks import CompressionStats
 from tf_adacomp.collectives import Exchange
 from tf_adacomp.collectives import replica_exchange
@@ -52,6 +54,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AdaComp",
     "BF16",
+    "BackupAndRestore",
     "CompressedAllReduce",
     "CompressedOptimizer",
     "CompressionStats",

@@ -30,6 +30,9 @@ Accessors of this module
 - ``eager_context_initialized()``: ``tensorflow.python.eager.context.context()._initialized``
   (whether TensorFlow's runtime has started, after which it no longer reads
   ``TF_XLA_FLAGS``). Used by ``xla_cache.enable``.
+- ``set_initial_epoch(model, epoch)``: ``keras.Model._initial_epoch``, the epoch a
+  ``fit`` that is starting begins at (Keras' own ``BackupAndRestore`` sets it the same
+  way; there is no public route). Used by ``backup.BackupAndRestore``.
 - ``keras_tensorflow_trainer()``: the module ``keras.src.backend.tensorflow.trainer``,
   with ``TensorFlowTrainer._maybe_symbolic_build``, ``reduce_per_replica`` and
   ``_collective_all_reduce_multi_worker``: the functions ``keras_fixes`` wraps
@@ -76,6 +79,7 @@ __all__ = [
     "keras_tensorflow_trainer",
     "own_distribute_strategy",
     "set_collective_key_base",
+    "set_initial_epoch",
     "versions",
 ]
 
@@ -118,6 +122,11 @@ def in_multi_worker_mode(strategy) -> bool:
 def own_distribute_strategy(model):
   """The strategy ``model`` was created under, or None (Keras' TensorFlow trainer)."""
   return model._distribute_strategy  # pylint: disable=protected-access
+
+
+def set_initial_epoch(model, epoch: int) -> None:
+  """Makes the ``fit`` that is starting (from ``on_train_begin``) begin at ``epoch``."""
+  model._initial_epoch = epoch  # pylint: disable=protected-access
 
 
 def eager_context_initialized() -> bool:

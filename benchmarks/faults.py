@@ -1,0 +1,261 @@
+"""Faults injected into real multi-worker training, and a soak: figures for docs/reliability.md.
+
+Each fault scenario runs ``benchmarks/fault_worker.py`` in 2 worker processes
+(``MultiWorkerMirroredStrategy`` over gRPC on 127.0.0.1, ``CompressedOptimizer``
+with AdaComp, ``tf_adacomp.BackupAndRestore`` every ``--save_freq`` steps), kills one
+worker with SIGKILL at the scenario's point, then restarts the whole job, which resumes
+from the backup. Per scenario it reports how long the surviving worker took to fail,
+the step the job resumed at against the last backup completed, whether the restored
+residue totals are those that backup saved, whether the workers' weights are
+bit-identical after restoring and at the end, and the final test accuracy against an
+uninterrupted run of the same steps.
+
+Scenarios: ``mid_epoch`` (worker 1 at a step inside an epoch), ``chief`` (worker 0, the
+one whose backup is kept), ``before_backup`` (before the first backup: the job starts
+over), ``save_worker`` and ``save_chief`` (while writing a backup, half the file
+written).
+
+``--soak_steps N`` instead trains the Fashion-MNIST CNN with AdaComp for N steps on 4
+replicas (``MirroredStrategy`` over 4 logical CPUs, one process) and reports the
+residue norm, resident memory and replica agreement every ``--record_every`` steps.
+
+Usage::
+
+    python benchmarks/faults.py --json faults.json                  # every scenario
+    python benchmarks/faults.py --scenarios mid_epoch --epochs 2    # one, shorter
+    python benchmarks/faults.py --soak_steps 3000 --json soak.json
+"""
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "fault_worker.py")
+# name -> (worker killed, fault arguments); "{mid}" is a step inside the second epoch.
+SCENARIOS = {
+    "mid_epoch": (1, ["--kill_at_step", "{mid}"]),
+    "chief": (0, ["--kill_at_step", "{mid}"]),
+    "before_backup": (1, ["--kill_at_step", "2"]),
+    "save_worker": (1, ["--kill_during_save", "3"]),
+    "save_chief": (0, ["--kill_during_save", "3"]),
+}
+
+
+def parse(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--scenarios", default=",".join(SCENARIOS),
+                      help=f"comma-separated, of {', '.join(SCENARIOS)}")
+  parser.add_argument("--workers", type=int, default=2)
+  parser.add_argument("--data", default="digits", choices=("digits", "fashion_mnist"))
+  parser.add_argument("--model", default="mlp", choices=("mlp", "cnn"))
+  parser.add_argument("--epochs", type=int, default=3)
+  parser.add_argument("--steps_per_epoch", type=int, default=10)
+  parser.add_argument("--save_freq", type=int, default=4)
+  parser.add_argument("--collective_timeout", type=float, default=60.0)
+  parser.add_argument("--timeout", type=float, default=420.0, help="seconds per job run")
+  parser.add_argument("--soak_steps", type=int, default=0)
+  parser.add_argument("--record_every", type=int, default=100)
+  parser.add_argument("--json", default=None, help="write the figures here")
+  parser.add_argument("--keep", action="store_true", help="keep the work folder")
+  return parser.parse_args(argv)
+
+
+def _free_ports(count):
+  sockets = [socket.socket() for _ in range(count)]
+  try:
+    for s in sockets:
+      s.bind(("127.0.0.1", 0))
+    return [s.getsockname()[1] for s in sockets]
+  finally:
+    for s in sockets:
+      s.close()
+
+
+def run_job(worker_args, workers, out_dir, timeout):
+  """Runs one job of ``workers`` processes; returns their records and return codes.
+
+  A worker that fails gets its peers ``timeout`` seconds in all to fail or finish: the
+  point is to see them fail on their own (the collective timeout, TensorFlow's
+  heartbeats), so nothing is killed early.
+  """
+  from tf_adacomp.distribute import tf_config  # pylint: disable=g-import-not-at-top
+  os.makedirs(out_dir, exist_ok=True)
+  addresses = [f"127.0.0.1:{p}" for p in _free_ports(workers)] if workers > 1 else []
+  processes = []
+  for index in range(workers):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    if addresses:
+      env["TF_CONFIG"] = tf_config(addresses, index)
+    log = open(os.path.join(out_dir, f"worker{index}.log"), "w")
+    processes.append((subprocess.Popen([sys.executable, WORKER, "--out_dir", out_dir,
+                                        *worker_args], env=env, stdout=log,
+                                       stderr=subprocess.STDOUT), log))
+  deadline = time.monotonic() + timeout
+  for process, log in processes:
+    try:
+      process.wait(max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+      process.kill()  # only ours, and only past the deadline: reported as a hang
+      process.wait()
+    log.close()
+  records = []
+  for index, (process, _) in enumerate(processes):
+    path = os.path.join(out_dir, f"worker{index}.json")
+    record = json.load(open(path)) if os.path.exists(path) else {}
+    record["returncode"] = process.returncode
+    records.append(record)
+  return records
+
+
+def scenario(name, args, work, baseline):
+  """Kills a worker as ``name`` says, restarts the job, and measures the resumed run."""
+  victim, fault = SCENARIOS[name]
+  mid = args.steps_per_epoch + args.steps_per_epoch // 2 - 1  # not a save step either
+  fault = [a.replace("{mid}", str(mid)) for a in fault]
+  backup = os.path.join(work, name, "backup")
+  common = _common(args, backup)
+  start = time.monotonic()
+  killed = run_job(common + ["--kill_worker", str(victim), *fault], args.workers,
+                   os.path.join(work, name, "killed"), args.timeout)
+  killed_seconds = time.monotonic() - start
+  resumed = run_job(common, args.workers, os.path.join(work, name, "resumed"), args.timeout)
+  dead = killed[victim]
+  survivors = [r for i, r in enumerate(killed) if i != victim]
+  detect = [r["failed_at"] - dead["killed_at"] for r in survivors
+            if "failed_at" in r and "killed_at" in dead]
+  # The backup the job must resume from: the last one the chief completed.
+  chief_saves = killed[0].get("saves", [])
+  expected = chief_saves[-1]["step"] if chief_saves else 0
+  saved_digest = chief_saves[-1]["residue_digest"] if chief_saves else None
+  steps_total = args.epochs * args.steps_per_epoch
+  row = {
+      "scenario": name, "killed_worker": victim, "killed_at_step": dead.get("step"),
+      "killed_during_save": dead.get("during_save"),
+      "victim_returncode": dead.get("returncode"),
+      "survivors_failed": all(r.get("returncode") not in (0, None) and "failed_at" in r
+                              for r in survivors),
+      "survivor_errors": sorted({r.get("error", "none") for r in survivors}),
+      "seconds_to_fail": max(detect) if detect else None,
+      "killed_run_seconds": killed_seconds,
+      "resumed_returncodes": [r["returncode"] for r in resumed],
+      "resumed_at": sorted({r.get("resumed_at") for r in resumed}, key=str),
+      "expected_resume": expected,
+      "residues_restored": (all(r.get("restored_residue_digest") == saved_digest
+                                for r in resumed) if saved_digest else
+                            all(not any(r.get("restored_residue_sums", [1])) for r in resumed)),
+      "restored_weights_identical": len({r.get("restored_weights") for r in resumed}) == 1,
+      "final_weights_identical": len({r.get("final_weights") for r in resumed}) == 1,
+      "steps": resumed[0].get("steps"),
+      # A resumed epoch is trained again from its first batch: more steps in all.
+      "steps_expected": expected + (args.epochs - _epoch_of(expected, args)) * args.steps_per_epoch,
+      "uninterrupted_steps": steps_total,
+      "accuracy": resumed[0].get("accuracy"),
+      "uninterrupted_accuracy": baseline.get("accuracy"),
+  }
+  row["ok"] = bool(
+      row["survivors_failed"] and row["resumed_returncodes"] == [0] * args.workers
+      and row["resumed_at"] == [expected] and row["residues_restored"]
+      and row["restored_weights_identical"] and row["final_weights_identical"]
+      and row["steps"] == row["steps_expected"])
+  return row
+
+
+def _epoch_of(step, args):
+  """The epoch a job resumes at from a backup taken after ``step`` steps (save_freq
+  batches apart; a backup at an epoch's last batch is that epoch's end)."""
+  return step // args.steps_per_epoch
+
+
+def _common(args, backup):
+  return ["--model", args.model, "--data", args.data, "--epochs", str(args.epochs),
+          "--steps_per_epoch", str(args.steps_per_epoch), "--save_freq", str(args.save_freq),
+          "--collective_timeout", str(args.collective_timeout), "--backup_dir", backup]
+
+
+def soak(args, work):
+  records = run_job(["--replicas", "4", "--model", "cnn", "--data", args.data,
+                     "--epochs", "1", "--steps_per_epoch", str(args.soak_steps),
+                     "--save_freq", str(max(args.soak_steps // 4, 1)),
+                     "--record_every", str(args.record_every),
+                     "--backup_dir", os.path.join(work, "soak", "backup")],
+                    1, os.path.join(work, "soak"), args.timeout)
+  record = records[0]
+  points = record.get("records", [])
+  norms = [p["residue_norm"] for p in points]
+  memory = [p["rss_mib"] for p in points]
+  half = len(memory) // 2
+  return {
+      "steps": record.get("steps"), "returncode": record["returncode"],
+      "replicas": record.get("replicas"),
+      "residue_norm_max": max(norms) if norms else None,
+      "residue_norm_last": norms[-1] if norms else None,
+      "residue_norm_max_first_half": max(norms[:half]) if half else None,
+      "residue_norm_max_second_half": max(norms[half:]) if half else None,
+      "rss_mib_first": memory[0] if memory else None,
+      "rss_mib_last": memory[-1] if memory else None,
+      "rss_mib_max_first_half": max(memory[:half]) if half else None,
+      "rss_mib_max_second_half": max(memory[half:]) if half else None,
+      "replicas_identical_every_record": all(p["replicas_identical"] for p in points),
+      "replicas_identical_at_end": record.get("replicas_identical"),
+      "accuracy": record.get("accuracy"), "points": points,
+      "error": record.get("error"),
+  }
+
+
+def main(argv=None):
+  args = parse(argv)
+  work = tempfile.mkdtemp(prefix="faults-")
+  result = {"host": platform.node(), "cpus": os.cpu_count(), "args": vars(args)}
+  try:
+    if args.soak_steps:
+      result["soak"] = soak(args, work)
+      s = result["soak"]
+      print(f"soak: {s['steps']} steps on {s['replicas']} replicas; residue norm max "
+            f"{s['residue_norm_max']} (first half {s['residue_norm_max_first_half']}, second "
+            f"half {s['residue_norm_max_second_half']}); RSS {s['rss_mib_first']} -> "
+            f"{s['rss_mib_last']} MiB (max first half {s['rss_mib_max_first_half']}, second "
+            f"half {s['rss_mib_max_second_half']}); replicas identical at every record: "
+            f"{s['replicas_identical_every_record']}; test accuracy {s['accuracy']}")
+    else:
+      names = [n for n in args.scenarios.split(",") if n]
+      unknown = [n for n in names if n not in SCENARIOS]
+      if unknown:
+        raise SystemExit(f"Unknown scenarios {unknown}; known: {', '.join(SCENARIOS)}")
+      baseline = run_job(_common(args, os.path.join(work, "baseline", "backup")),
+                         args.workers, os.path.join(work, "baseline"), args.timeout)[0]
+      result["baseline"] = {k: baseline.get(k) for k in ("steps", "accuracy", "returncode")}
+      rows = [scenario(name, args, work, baseline) for name in names]
+      result["scenarios"] = rows
+      print(f"uninterrupted: {baseline.get('steps')} steps, test accuracy "
+            f"{baseline.get('accuracy')}")
+      print("scenario       killed  survivor fails   resumed at (backup)  residues  "
+            "weights  steps (expected)  accuracy  ok")
+      for r in rows:
+        fail = (f"{r['seconds_to_fail']:.1f} s" if r["seconds_to_fail"] is not None
+                else "-")
+        print(f"{r['scenario']:<14} w{r['killed_worker']:<6} {fail:<16} "
+              f"{str(r['resumed_at']):<10} ({r['expected_resume']:<3})        "
+              f"{str(r['residues_restored']):<9} {str(r['final_weights_identical']):<8} "
+              f"{r['steps']} ({r['steps_expected']})          {r['accuracy']}  {r['ok']}")
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+  finally:
+    if not args.keep:
+      shutil.rmtree(work, ignore_errors=True)
+    else:
+      print(f"work folder: {work}")
+  return result
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,197 @@
+"""BackupAndRestore for compressed multi-worker training: one backup, replaced atomically.
+
+Keras' ``keras.callbacks.BackupAndRestore`` writes ``latest.weights.h5`` in place, on
+every worker. With ``CompressedOptimizer`` the backup holds, besides the weights and
+the optimizer's slots, the residues (gradient mass not yet sent), and under
+``MultiWorkerMirroredStrategy`` a save reads them with collectives, so every worker
+saves at the same step. Keras' way then fails in two ways:
+
+- a worker killed while writing leaves a torn file; with one folder per worker the
+  workers resume from different backups (the torn one's previous, the others' newer)
+  and their weights and step counts disagree from then on;
+- with one shared folder, several workers write the same file at once.
+
+This callback restores as Keras' does and saves differently: every worker saves (the
+collectives need them all), but only the chief's backup is kept, in ``backup_dir``, and
+each file replaces the previous one by a rename, so that a kill leaves the old backup
+or the new one, never part of one. The other workers write to a scratch folder and
+delete it. Every worker restores from ``backup_dir`` (a folder all of them read, as
+Keras' multi-worker backups have always assumed), and then checks with the others that
+all resumed at the same step.
+"""
+
+import json
+import os
+import shutil
+import tempfile
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_adacomp import internals
+from tf_adacomp.ops import checks
+
+WEIGHTS_FILE = "latest.weights.h5"  # Keras' names, so either callback can read the other's
+METADATA_FILE = "training_metadata.json"
+
+
+class BackupAndRestore(keras.callbacks.Callback):
+  """Backs up training state every epoch (or every ``save_freq`` batches) and resumes
+  from the backup when ``fit`` starts again; atomic, chief-only saves.
+
+  A drop-in for ``keras.callbacks.BackupAndRestore`` (same arguments and files; it
+  reads backups written by Keras' callback): the backup holds the model's weights and
+  its optimizer's variables (with ``CompressedOptimizer``: the inner optimizer's slots,
+  ``iterations`` and the residues, whose total a restore keeps whatever the number of
+  replicas). A resumed ``fit`` starts at the epoch after the last one completed (the
+  batches of an epoch cut short are trained again) with ``iterations`` where the backup
+  left it. Under ``MultiWorkerMirroredStrategy`` every worker saves at the same steps,
+  the chief's backup is the one kept, and every worker restores from ``backup_dir``.
+
+  Args:
+    backup_dir: folder of the backup; under ``MultiWorkerMirroredStrategy`` a folder
+      every worker reads (a shared filesystem).
+    save_freq: "epoch" (default) or an int >= 1, the batches between backups.
+    double_checkpoint: also keep the previous backup (``*.bkp``), restored when the
+      latest cannot be read.
+    delete_checkpoint: delete the backup when training ends (default True, as Keras).
+
+  Raises:
+    ValueError: an empty ``backup_dir`` or a bad ``save_freq``; at the start of
+      training, an unbuilt model (as Keras), or workers that restored different steps
+      (``backup_dir`` not shared, or holding another run's backup).
+  """
+
+  def __init__(self, backup_dir, save_freq="epoch", double_checkpoint=False,
+               delete_checkpoint=True):
+    super().__init__()
+    if not backup_dir or not isinstance(backup_dir, (str, os.PathLike)):
+      raise ValueError(f"`backup_dir` must be a non-empty path. Received: "
+                       f"backup_dir={backup_dir!r}")
+    if save_freq != "epoch":
+      checks.positive_int(save_freq, "save_freq")
+    self.backup_dir = os.fspath(backup_dir)
+    self.save_freq = save_freq
+    self.double_checkpoint = checks.boolean(double_checkpoint, "double_checkpoint")
+    self.delete_checkpoint = checks.boolean(delete_checkpoint, "delete_checkpoint")
+    self._epoch = 0
+    self._batches_since_save = 0
+
+  # --- Restoring ---------------------------------------------------------------------
+
+  def on_train_begin(self, logs=None):
+    if not self.model.built:
+      raise ValueError("BackupAndRestore needs a built model: build it (call it on a "
+                       f"batch) before fit(). Received: model={self.model.name!r}")
+    for suffix in ("", ".bkp"):  # the latest backup, else the previous one
+      weights = os.path.join(self.backup_dir, WEIGHTS_FILE + suffix)
+      if not tf.io.gfile.exists(weights):
+        continue
+      try:
+        self._restore(weights, os.path.join(self.backup_dir, METADATA_FILE + suffix))
+        break
+      except OSError:
+        if suffix:
+          raise
+    _check_same_step_everywhere(self.model, self.backup_dir)
+
+  def _restore(self, weights, metadata):
+    optimizer = self.model.optimizer
+    if optimizer is not None and not optimizer.built:
+      optimizer.build(self.model.trainable_variables)
+    if weights.endswith(".weights.h5"):
+      self.model.load_weights(weights)
+    else:  # the previous backup: Keras reads only names ending in ".weights.h5"
+      scratch = tempfile.mkdtemp(prefix="backup-restore-")
+      try:
+        copy = os.path.join(scratch, WEIGHTS_FILE)
+        tf.io.gfile.copy(weights, copy)
+        self.model.load_weights(copy)
+      finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if tf.io.gfile.exists(metadata):
+      with tf.io.gfile.GFile(metadata) as f:
+        self._epoch = int(json.load(f)["epoch"])
+      internals.set_initial_epoch(self.model, self._epoch)
+
+  # --- Saving ------------------------------------------------------------------------
+
+  def on_epoch_begin(self, epoch, logs=None):
+    self._epoch = epoch
+
+  def on_train_batch_end(self, batch, logs=None):
+    if self.save_freq == "epoch":
+      return
+    self._batches_since_save += 1
+    if self._batches_since_save >= self.save_freq:
+      self._batches_since_save = 0
+      # After an epoch's last batch, a resumed run starts at the next epoch.
+      last = (self.params or {}).get("steps") == batch + 1
+      self._save(epoch=self._epoch + 1 if last else self._epoch, batch=batch)
+
+  def on_epoch_end(self, epoch, logs=None):
+    if self.save_freq == "epoch":
+      self._save(epoch=epoch + 1, batch=0)
+
+  def on_train_end(self, logs=None):
+    # Only the chief: under MultiWorkerMirroredStrategy the folder is shared.
+    chief = self.model.distribute_strategy.extended.should_checkpoint
+    if chief and self.delete_checkpoint and tf.io.gfile.exists(self.backup_dir):
+      tf.io.gfile.rmtree(self.backup_dir)
+
+  def _save(self, epoch, batch):
+    """Writes the backup; ``epoch`` is the one a resumed run starts at."""
+    chief = self.model.distribute_strategy.extended.should_checkpoint
+    directory = self.backup_dir if chief else tempfile.mkdtemp(prefix="backup-worker-")
+    try:
+      tf.io.gfile.makedirs(directory)
+      weights = os.path.join(directory, WEIGHTS_FILE)
+      metadata = os.path.join(directory, METADATA_FILE)
+      if chief and self.double_checkpoint:
+        for path in (weights, metadata):
+          if tf.io.gfile.exists(path):
+            _replace(path + ".bkp", lambda partial, path=path: tf.io.gfile.copy(
+                path, partial, overwrite=True))
+      # Weights first: a kill between the two renames resumes the newer weights at
+      # the older epoch (its batches are trained again), never the reverse.
+      _replace(weights, lambda partial: self.model.save_weights(partial, overwrite=True))
+      _replace(metadata, lambda partial: _write(partial, json.dumps(
+          {"epoch": epoch, "batch": batch})))
+    finally:
+      if not chief:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _replace(path, write):
+  """``write(partial)`` to a temporary file beside ``path``, then renames it to ``path``
+  (atomic on a POSIX filesystem: a reader sees the old file or the new one)."""
+  folder, name = os.path.split(path)
+  # Keras' save_weights wants names ending in ".weights.h5": the prefix keeps the ending.
+  partial = os.path.join(folder, f".partial-{os.getpid()}-{name}")
+  write(partial)
+  tf.io.gfile.rename(partial, path, overwrite=True)
+
+
+def _write(path, text):
+  with tf.io.gfile.GFile(path, "w") as f:
+    f.write(text)
+
+
+def _check_same_step_everywhere(model, backup_dir):
+  """Raises ValueError unless every worker of a multi-worker strategy is at the same
+  optimizer step (after restoring, or finding nothing to restore)."""
+  strategy = model.distribute_strategy
+  if (model.optimizer is None
+      or not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+      or not internals.in_multi_worker_mode(strategy)):
+    return
+  step = tf.reshape(tf.cast(model.optimizer.iterations, tf.int64), [1])
+  steps = strategy.gather(
+      strategy.experimental_distribute_values_from_function(lambda _: step), axis=0)
+  low, high = int(np.min(steps)), int(np.max(steps))
+  if low != high:
+    raise ValueError(
+        f"The workers resumed at different training steps (from {low} to {high}): all "
+        f"must restore the same backup, so `backup_dir` must be a folder every worker "
+        f"reads, holding this run's backup only. Received: backup_dir={backup_dir!r}")
