@@ -64,6 +64,8 @@ def parse(argv=None):
   parser.add_argument("--timeout", type=float, default=420.0, help="seconds per job run")
   parser.add_argument("--soak_steps", type=int, default=0)
   parser.add_argument("--record_every", type=int, default=100)
+  parser.add_argument("--no_baseline", action="store_true",
+                      help="skip the uninterrupted run (no accuracy to compare with)")
   parser.add_argument("--json", default=None, help="write the figures here")
   parser.add_argument("--keep", action="store_true", help="keep the work folder")
   return parser.parse_args(argv)
@@ -230,8 +232,9 @@ def main(argv=None):
       unknown = [n for n in names if n not in SCENARIOS]
       if unknown:
         raise SystemExit(f"Unknown scenarios {unknown}; known: {', '.join(SCENARIOS)}")
-      baseline = run_job(_common(args, os.path.join(work, "baseline", "backup")),
-                         args.workers, os.path.join(work, "baseline"), args.timeout)[0]
+      baseline = {} if args.no_baseline else run_job(
+          _common(args, os.path.join(work, "baseline", "backup")), args.workers,
+          os.path.join(work, "baseline"), args.timeout)[0]
       result["baseline"] = {k: baseline.get(k) for k in ("steps", "accuracy", "returncode")}
       rows = [scenario(name, args, work, baseline) for name in names]
       result["scenarios"] = rows

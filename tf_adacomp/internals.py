@@ -60,6 +60,9 @@ Names used in place (modules owned elsewhere)
   ``tensorflow.python.distribute.distribute_utils.regroup``,
   ``tensorflow.python.distribute.values`` (``Mirrored``, ``DistributedValues``) and
   ``tensorflow.python.ops.resource_variable_ops.ResourceVariable``.
+- ``loss_scale.py``: replaces the public ``LossScaleOptimizer.check_finite`` on the
+  class, relying on Keras' ``_tf_apply`` and ``_common_apply`` deciding through it
+  (guarded by ``tests/test_optimizer_mixed_precision.py``).
 - ``resist/trainer.py``: ``optimizer.ALL_REDUCE_HOOK`` (above), set and deleted on the
   model's optimizer for local SGD.
 

@@ -53,6 +53,7 @@ import tensorflow as tf
 from tf_adacomp import collectives
 from tf_adacomp import compile_log
 from tf_adacomp import keras_fixes
+from tf_adacomp import loss_scale
 from tf_adacomp import stats
 from tf_adacomp.compressors import registry
 from tf_adacomp.ops import checks
@@ -108,6 +109,19 @@ class _InnerSetting:
 @keras.saving.register_keras_serializable(package="tf_adacomp")
 class CompressedOptimizer(keras.optimizers.Optimizer):
   """Wraps a Keras optimizer so that gradients (or its updates) are exchanged compressed.
+
+  Mixed precision (``mixed_float16``): wrap ``LossScaleOptimizer(CompressedOptimizer(
+  inner))``, as ``model.compile`` does under that policy (the other order is refused,
+  below). Keras' ``LossScaleOptimizer`` checks only each replica's own gradients, and in
+  Keras 3 they are not all-reduced before ``apply``; creating a ``CompressedOptimizer``
+  therefore installs ``tf_adacomp.loss_scale.apply_loss_scale_fix``: a loss scale
+  optimizer around this wrapper all-reduces its "not finite" flag, so that an overflow
+  on any one replica lowers the loss scale on every replica and skips the step
+  everywhere (weights, residues, the inner optimizer's slots and ``iterations``
+  unchanged, as Keras does for one replica). Loss scale optimizers around other
+  optimizers keep Keras' behaviour. (A step finite on every replica whose combined sum
+  or update is not, a float32 overflow of the sum, is left to this wrapper as described
+  in the module docstring, and does not lower the scale.)
 
   Args:
     inner_optimizer: the ``keras.optimizers.Optimizer`` that applies the gradients (its
@@ -204,6 +218,9 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     # Keras 3 model.fit needs a fix under MultiWorkerMirroredStrategy (keras#20585):
     # applied here and in build(), so that the standard strategy constructor just works.
     keras_fixes.apply_keras_multi_worker_fix_for(tf.distribute.get_strategy())
+    # A LossScaleOptimizer around this one must see an overflow on any replica, not only
+    # on the first (keras' check is per replica): patched once, other optimizers untouched.
+    loss_scale.apply_loss_scale_fix()
     super().__init__(learning_rate=0.0, name=name)
     self.inner_optimizer = inner_optimizer
     self.compressor = compressor

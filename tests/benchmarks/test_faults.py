@@ -1,0 +1,25 @@
+"""benchmarks/faults.py with real worker processes: a worker killed mid-epoch, the job
+resumed from tf_adacomp.BackupAndRestore (the other scenarios and the soak run in the
+benchmark itself; docs/reliability.md has their figures)."""
+
+import benchmark_scripts  # noqa: F401  (puts benchmarks/ on sys.path)
+import faults
+
+
+def test_a_worker_killed_mid_epoch_fails_its_peer_and_the_job_resumes(tmp_path):
+  result = faults.main(["--scenarios", "mid_epoch", "--epochs", "2", "--steps_per_epoch", "6",
+                        "--save_freq", "3", "--collective_timeout", "60", "--timeout", "240",
+                        "--no_baseline", "--json", str(tmp_path / "faults.json")])
+  row, = result["scenarios"]
+  assert row["killed_at_step"] == 8 and row["victim_returncode"] == -9
+  # The survivor failed on its own (TensorFlow's heartbeats or the collective timeout),
+  # well before the job's 240 s limit.
+  assert row["survivors_failed"], row
+  assert row["seconds_to_fail"] < 90, row
+  # Resumed from the backup of step 6 (the last before the kill), with the residue
+  # totals that backup saved, the same weights on both workers, and epoch 2 trained
+  # again from its start: 6 + 6 steps.
+  assert row["resumed_at"] == [6] and row["expected_resume"] == 6, row
+  assert row["residues_restored"] and row["restored_weights_identical"], row
+  assert row["final_weights_identical"] and row["steps"] == 12, row
+  assert row["ok"]
