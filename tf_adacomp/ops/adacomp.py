@@ -269,8 +269,9 @@ def _add_codes(total, words, count, n: int, cap: int, bits: int, values_at, loca
   the sum into and out of the conditional). A row's positions are distinct, so adding them in
   chunks equals adding them at once, and adding a row's values to the running sum equals
   adding a dense copy of the row (``x + (0 + v) == x + v`` in floating point). A count
-  above ``cap`` (a corrupt payload; the caller marks the result NaN) reads the whole
-  capacity and the zero padding after it, up to the end of the last chunk.
+  above ``cap`` (a corrupt payload; the caller marks the result NaN) adds the ``cap``
+  codes of the capacity and nothing after them: neither the spare bits of the last word
+  nor the zero padding of the last chunk (which would decode as codes for position 0).
   """
   chunk = min(DECODE_CHUNK, -(-cap // 32) * 32)
   if chunk == 0:
@@ -289,7 +290,9 @@ def _add_codes(total, words, count, n: int, cap: int, bits: int, values_at, loca
     if locate is not None:
       positions = locate(ordinals, positions)
     negative = tf.bitwise.bitwise_and(codes, 1) > 0
-    valid = (ordinals < count) & (positions < n)
+    # min(count, cap): a corrupt count above the capacity must not turn the padding
+    # after it into codes (zero words decode as position 0, sign +).
+    valid = (ordinals < tf.minimum(count, cap)) & (positions < n)
     values = values_at(tf.where(valid, positions, 0), negative)
     return i + 1, tf.tensor_scatter_nd_add(total, tf.where(valid, positions, n)[:, None],
                                            tf.where(valid, values, tf.zeros_like(values)))
@@ -346,8 +349,12 @@ def _decompress_per_bin(payload, shape: tf.TensorShape, dtype: tf.DType, bin_siz
 
     total = _add_codes(total, tf.bitcast(rows[row, start:], tf.uint32), count, n, cap, bits,
                        values_at)
+    # A non-finite bin scale is never sent (the encoder marks word 1 instead): a row
+    # that carries one is corrupt, and would otherwise decode to NaN or inf only where
+    # its codes land.
     bad |= ((rows[row, 2] != (bits | BIN_SCALE_FLAG)) | (rows[row, 3] != bins)
-            | (count < 0) | (count > cap) | tf.logical_not(tf.math.is_finite(marker)))
+            | (count < 0) | (count > cap) | tf.logical_not(tf.math.is_finite(marker))
+            | tf.logical_not(tf.reduce_all(tf.math.is_finite(scales))))
   total = tf.where(bad, tf.constant(float("nan"), cd), total[:n])
   return tf.reshape(tf.cast(total, dtype), shape)
 
@@ -425,8 +432,8 @@ def adacomp_decompress(payload, shape, dtype=tf.float32, scale="tensor", bin_siz
   Returns:
     A dense tensor of ``shape`` and ``dtype``: the ternary gradient of the payload, or
     for a gathered payload the sum of every replica's contribution, added in replica
-    order. NaN everywhere if a payload carries the non-finite marker or does not match
-    ``shape``.
+    order. NaN everywhere if a payload carries the non-finite marker (with
+    ``scale="bin"``, also a non-finite bin scale) or does not match ``shape``.
 
   Raises:
     TypeError: ``payload`` is not int32 or ``dtype`` is not a float type.

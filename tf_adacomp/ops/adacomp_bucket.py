@@ -228,13 +228,34 @@ def _tensor_of(positions, lay: Layout):
                                tf.int32), 1)
 
 
+def _locate(ordinals, local, counts, lay: Layout):
+  """Bucket positions of the codes ``ordinals`` of a row whose tensors sent ``counts``
+  codes each (-1: none) and whose codes carry the positions ``local`` within their
+  tensor; ``lay.total`` (the decoder's sink) for a code that belongs to no tensor.
+
+  Codes come tensor by tensor, each tensor's count of them. A tensor takes only its own
+  codes, at most its capacity of them, and only positions inside it: with corrupt counts
+  (above a tensor's capacity, or adding up to less than the row's count, which the
+  caller marks NaN) no code is read into a tensor from beyond its own codes.
+  """
+  tensors = len(lay.sizes)
+  counts = tf.maximum(counts, 0)
+  ends = tf.cumsum(counts)
+  tensor = tf.minimum(tf.reduce_sum(tf.cast(ordinals[:, None] >= ends, tf.int32), 1),
+                      tensors - 1)
+  own = ordinals - tf.gather(ends - counts, tensor)  # the code's ordinal in its tensor
+  inside = ((ordinals < ends[-1]) & (own < tf.gather(tf.constant(lay.caps, tf.int32), tensor))
+            & (local < tf.gather(tf.constant(lay.sizes, tf.int32), tensor)))
+  return tf.where(inside, tf.gather(tf.constant(lay.offsets, tf.int32), tensor) + local,
+                  lay.total)
+
+
 def _decompress(payload, lay: Layout, shapes, dtype):
   b, tensors = lay.bin_size, len(lay.sizes)
   rows = payload if payload.shape.rank == 2 else payload[None]
   cd = checks.compute_dtype(dtype)
   caps = tf.constant(lay.caps, tf.int32)
   offsets = tf.constant(lay.offsets, tf.int32)
-  sizes = tf.constant(lay.sizes, tf.int32)
   bin_offsets = tf.constant(lay.bin_offsets, tf.int32)
   total, bad = tf.zeros([lay.total + 1], cd), tf.constant(False)
   bad_tensor = [tf.constant(False)] * tensors
@@ -245,20 +266,16 @@ def _decompress(payload, lay: Layout, shapes, dtype):
     body = rows[row, scale_start:lay.header_words]
     if lay.scale == "bin":
       scales = tf.cast(tf.reshape(tf.bitcast(body, tf.bfloat16), [-1]), cd)
+      # A non-finite bin scale is never sent (the encoder marks the tensor's count -1
+      # instead): the tensor that owns it is corrupt and decodes to NaN.
+      bad_tensor = [x | tf.logical_not(tf.reduce_all(tf.math.is_finite(scales[o:o + bins])))
+                    for x, o, bins in zip(bad_tensor, lay.bin_offsets, lay.bins)]
     else:
       scales = tf.cast(tf.bitcast(body, tf.float32), cd)
       bad_tensor = [x | tf.logical_not(tf.math.is_finite(scales[t]))
                     for t, x in enumerate(bad_tensor)]
 
-    # Codes come tensor by tensor, each tensor's count of them (-1: none).
-    ends = tf.cumsum(tf.maximum(counts, 0))
-
-    def locate(ordinals, local, ends=ends):
-      tensor = tf.minimum(tf.reduce_sum(tf.cast(ordinals[:, None] >= ends, tf.int32), 1),
-                          tensors - 1)
-      # A position beyond its tensor (a corrupt payload) goes to the sink.
-      return tf.where(local < tf.gather(sizes, tensor), tf.gather(offsets, tensor) + local,
-                      lay.total)
+    locate = functools.partial(_locate, counts=counts, lay=lay)
 
     def values_at(positions, negative, scales=scales):
       tensor = _tensor_of(positions, lay)
@@ -341,8 +358,9 @@ def decompress(payload, shapes, dtype=tf.float32, bin_size: int = 1,
 
   Returns:
     A list of dense tensors: the sum over rows of each gradient's ternary values, added
-    in row order. A tensor is NaN if a row marks it non-finite; all are NaN if a row
-    does not match the layout (its flags, counts or capacity).
+    in row order. A tensor is NaN if a row marks it non-finite (its count -1) or carries
+    a non-finite scale for it; all are NaN if a row does not match the layout (its
+    flags, counts or capacity).
 
   Raises:
     TypeError: ``payload`` is not int32 or ``dtype`` not a float type.
