@@ -7,6 +7,7 @@ without it (or with only half of it) they fail with the upstream errors.
 """
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -183,6 +184,110 @@ def test_multi_worker_strategy_bad_tf_config(monkeypatch, value):
   monkeypatch.setenv("TF_CONFIG", value)
   with pytest.raises(ValueError, match=r"Received: TF_CONFIG="):
     distribute.multi_worker_strategy()
+
+
+_GOOD_CLUSTER = {"chief": ["h0:2222"], "worker": ["h1:2222", "h2:2222"]}
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"task": {"type": "worker", "index": 0}},
+     r'no "cluster".*Received: TF_CONFIG=\'\{"task"'),
+    ({"cluster": ["h0:1"], "task": {}}, r'Received: TF_CONFIG\["cluster"\]=\[\'h0:1\'\]'),
+    ({"cluster": {}, "task": {}}, r'Received: TF_CONFIG\["cluster"\]=\{\}'),
+    ({"cluster": {"master": ["h0:1"]}, "task": {}},
+     r'task types.*Received: TF_CONFIG\["cluster"\]\[\'master\'\]=\[\'h0:1\'\]'),
+    ({"cluster": {"worker": "h0:1"}, "task": {}},
+     r'Received: TF_CONFIG\["cluster"\]\[\'worker\'\]=\'h0:1\''),
+    ({"cluster": {"worker": []}, "task": {}}, r'Received: TF_CONFIG\["cluster"\]\[\'worker\'\]=\[\]'),
+    ({"cluster": {"chief": ["h0:1", "h1:1"]}, "task": {}}, r"at most one 'chief'.*h1:1"),
+    ({"cluster": {"worker": ["h0:1", "h0"]}, "task": {}},
+     r'port in 1\.\.65535\. Received: TF_CONFIG\["cluster"\]\[\'worker\'\]\[1\]=\'h0\''),
+    ({"cluster": {"worker": ["h0:65536"]}, "task": {}}, r"\[0\]='h0:65536'"),
+    ({"cluster": {"worker": ["h0:0"]}, "task": {}}, r"\[0\]='h0:0'"),
+    ({"cluster": {"worker": [":1"]}, "task": {}}, r"\[0\]=':1'"),
+    ({"cluster": {"worker": [2222]}, "task": {}}, r"\[0\]=2222"),
+    ({"cluster": {"chief": ["h0:1"], "worker": ["h0:1"]}, "task": {}},
+     r"repeat an address: 'h0:1' is both .*\['chief'\]\[0\] and .*\['worker'\]\[0\]"),
+    ({"cluster": {"ps": ["h0:1"]}, "task": {}}, r'no "chief" or "worker" task'),
+    ({"cluster": _GOOD_CLUSTER}, r'no "task".*Received: TF_CONFIG='),
+    ({"cluster": _GOOD_CLUSTER, "task": "worker"}, r'Received: TF_CONFIG\["task"\]=\'worker\''),
+    ({"cluster": _GOOD_CLUSTER, "task": {"type": "ps", "index": 0}},
+     r"'chief', 'worker'\. Received: TF_CONFIG\[\"task\"\]=\{'type': 'ps'"),
+    ({"cluster": _GOOD_CLUSTER, "task": {"index": 0}}, r"Received: TF_CONFIG\[\"task\"\]=\{'index': 0\}"),
+    ({"cluster": _GOOD_CLUSTER, "task": {"type": "worker", "index": 2}},
+     r"int in 0\.\.1 .*2 addresses\)\. Received: TF_CONFIG\[\"task\"\]=\{'type': 'worker', 'index': 2\}"),
+    ({"cluster": _GOOD_CLUSTER, "task": {"type": "chief", "index": 1}}, r"int in 0\.\.0 "),
+    ({"cluster": _GOOD_CLUSTER, "task": {"type": "worker", "index": "1"}}, r"'index': '1'"),
+    ({"cluster": _GOOD_CLUSTER, "task": {"type": "worker", "index": True}}, r"'index': True"),
+    ({"cluster": _GOOD_CLUSTER, "task": {"type": "worker", "index": -1}}, r"'index': -1"),
+])
+def test_multi_worker_strategy_malformed_tf_config(monkeypatch, config, message):
+  """Checked before TensorFlow reads it: no strategy is made, TensorFlow is not touched."""
+  monkeypatch.setenv("TF_CONFIG", json.dumps(config))
+  with pytest.raises(ValueError, match=message):
+    distribute.multi_worker_strategy()
+
+
+@pytest.mark.parametrize("config, num_workers, message", [
+    ({"cluster": _GOOD_CLUSTER, "task": {"type": "worker", "index": 0}}, 2,
+     r"has 3 \(chief and worker tasks\)\. Received: num_workers=2, TF_CONFIG="),
+    ({"cluster": {"worker": ["h0:1", "h1:1"], "evaluator": ["h2:1"]},
+      "task": {"type": "evaluator", "index": 0}}, 3, r"has 2 .*Received: num_workers=3"),
+    (None, 2, r"TF_CONFIG is not set, so the strategy would have 1\. "
+              r"Received: num_workers=2, TF_CONFIG=None"),
+])
+def test_multi_worker_strategy_num_workers_mismatch(monkeypatch, config, num_workers, message):
+  if config is None:
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+  else:
+    monkeypatch.setenv("TF_CONFIG", json.dumps(config))
+  with pytest.raises(ValueError, match=message):
+    distribute.multi_worker_strategy(num_workers=num_workers)
+
+
+@pytest.mark.parametrize("num_workers, error", [(0, ValueError), (2.0, TypeError),
+                                                ("2", TypeError), (True, TypeError)])
+def test_multi_worker_strategy_bad_num_workers(monkeypatch, num_workers, error):
+  monkeypatch.delenv("TF_CONFIG", raising=False)
+  with pytest.raises(error, match=rf"Received: num_workers={num_workers!r}"):
+    distribute.multi_worker_strategy(num_workers=num_workers)
+
+
+def _worker_with_one_worker_more():
+  """A worker of test_workers_whose_clusters_differ_fail_fast: worker 1's TF_CONFIG lists
+  a third worker (at $EXTRA_WORKER, where nothing runs), worker 0's the two there are."""
+  import os  # pylint: disable=g-import-not-at-top
+  config = json.loads(os.environ["TF_CONFIG"])
+  if config["task"]["index"] == 1:
+    config["cluster"]["worker"].append(os.environ["EXTRA_WORKER"])
+    os.environ["TF_CONFIG"] = json.dumps(config)
+  try:
+    distribute.multi_worker_strategy()
+  except ValueError as error:
+    print(f"REFUSED: {error}", flush=True)
+    sys.exit(3)
+  print("NOT REFUSED", flush=True)
+
+
+def test_workers_whose_clusters_differ_fail_fast(tmp_path):
+  """Real processes: both workers fail at strategy creation naming their clusters.
+
+  Without the check TensorFlow fails only at the first collective, with "joining a
+  group with size3, but that group has size 2" (or 2 and 3). (The reverse, worker 0 listing the
+  worker more, makes TensorFlow's start-up wait for it: see docs/distributed.md.)
+  """
+  from multi_worker import free_ports  # pylint: disable=g-import-not-at-top
+  extra = f"127.0.0.1:{free_ports(1)[0]}"
+  results = run_workers(_worker_with_one_worker_more, num_workers=2, timeout=90, grace=30,
+                        out_dir=tmp_path, env={"EXTRA_WORKER": extra})
+  assert [r.returncode for r in results] == [3, 3], describe(results)
+  for result in results:
+    assert "REFUSED: The workers could not compare their clusters" in result.stdout, \
+        describe(results)
+    # The group takes the size of whichever worker reaches the leader first.
+    assert re.search(r"joining a group with size ?[23], but that group has size [23]",
+                     result.stdout), describe(results)
+  assert extra not in results[0].stdout and extra in results[1].stdout, describe(results)
 
 
 def test_tf_config():

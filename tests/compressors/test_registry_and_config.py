@@ -9,6 +9,7 @@ import tensorflow as tf
 
 import tf_adacomp
 from tf_adacomp.compressors import base
+from tf_adacomp.compressors import registry
 
 ALL = ["adacomp", "bf16", "fft", "fp16", "none", "topk"]
 
@@ -132,3 +133,85 @@ def test_plan_rejects_bad_input(kwargs, error, match):
     ([8, 10], "recurrent_net/dense/kernel", "dense")])
 def test_infer_kind(shape, name, kind):
   assert base.infer_kind(tf.TensorShape(shape), name) == kind
+
+
+# ---------------------------------------------------------------------------------------
+# Configs of other releases: format version and unknown arguments
+
+def test_serialize_writes_the_format_version():
+  config = tf_adacomp.serialize_compressor(tf_adacomp.TopK(0.05))
+  assert config == {"name": "topk", "config": {"min_size": 0, "density": 0.05},
+                    "version": registry.FORMAT_VERSION}
+  assert registry.FORMAT_VERSION == 1
+
+
+def test_configs_without_a_version_still_load():
+  """Written before "version" existed (and by CompressedOptimizer.get_config then)."""
+  old = {"name": "adacomp", "config": {"min_size": 0, "conv_bin_size": 64,
+                                       "dense_bin_size": 500, "recurrent_bin_size": 500,
+                                       "bin_sizes": {}, "max_density": 0.25}}
+  assert tf_adacomp.get_compressor(old) == tf_adacomp.AdaComp(conv_bin_size=64)
+
+
+def test_a_newer_format_version_is_refused():
+  config = dict(tf_adacomp.serialize_compressor(tf_adacomp.AdaComp()), version=2)
+  with pytest.raises(ValueError) as error:
+    tf_adacomp.get_compressor(config)
+  message = str(error.value)
+  assert "format version 2, written by a newer tf_adacomp" in message
+  assert f"installed tf_adacomp {tf_adacomp.__version__} reads versions up to 1" in message
+  assert f"Received: identifier={config!r}" in message
+
+
+@pytest.mark.parametrize("version", [0, -1, "1", 1.0, True, None])
+def test_a_bad_format_version_is_refused(version):
+  config = dict(tf_adacomp.serialize_compressor(tf_adacomp.AdaComp()), version=version)
+  with pytest.raises(ValueError, match=r"'version' must be an int >= 1\. Received: identifier="):
+    tf_adacomp.get_compressor(config)
+
+
+def test_unknown_arguments_are_refused_not_dropped():
+  """A newer release's argument: building without it would train another compressor."""
+  config = tf_adacomp.serialize_compressor(tf_adacomp.TopK(0.05))
+  config["config"]["error_feedback"] = False
+  with pytest.raises(ValueError) as error:
+    tf_adacomp.get_compressor(config)
+  message = str(error.value)
+  assert "The TopK config has argument(s) ['error_feedback']" in message
+  assert f"installed tf_adacomp {tf_adacomp.__version__} does not know" in message
+  assert "may come from a newer tf_adacomp" in message
+  assert f"Received: identifier={config!r}" in message
+  # The same through the class and through Keras' deserialization.
+  with pytest.raises(ValueError, match=r"\['error_feedback'\].*Received: config="):
+    tf_adacomp.TopK.from_config(config["config"])
+  saved = keras.saving.serialize_keras_object(tf_adacomp.TopK(0.05))
+  saved["config"]["error_feedback"] = False
+  with pytest.raises(ValueError, match=r"\['error_feedback'\].*Received: config="):
+    keras.saving.deserialize_keras_object(saved)
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"name": "topk", "config": {}, "version": 1, "codec": "x"},
+     r"Keys \['codec'\] may come from a newer tf_adacomp \(installed: "),
+    ({"name": "topk", "config": [0.1]}, r"'config' must be a dict.*Received: identifier="),
+    ({"name": "zip", "config": {}}, r"Unknown compressor\. Received: identifier="),
+    ({"name": None, "config": {}}, r"Unknown compressor\. Received: identifier="),
+])
+def test_malformed_configs_name_the_config(config, match):
+  with pytest.raises(ValueError, match=match):
+    tf_adacomp.get_compressor(config)
+
+
+def test_compressed_optimizer_from_a_newer_release_is_refused():
+  """keras.optimizers.deserialize surfaces the compressor's error as it is."""
+  optimizer = tf_adacomp.CompressedOptimizer(keras.optimizers.SGD(0.1), tf_adacomp.TopK(0.05))
+  saved = json.loads(json.dumps(keras.optimizers.serialize(optimizer)))
+  assert saved["config"]["compressor"]["version"] == 1
+  restored = keras.optimizers.deserialize(json.loads(json.dumps(saved)))
+  assert restored.compressor == tf_adacomp.TopK(0.05)
+  saved["config"]["compressor"]["version"] = 2
+  with pytest.raises(ValueError, match=r"format version 2, written by a newer tf_adacomp; "
+                                       r"the installed tf_adacomp .* reads versions up to 1"):
+    keras.optimizers.deserialize(saved)
+  del saved["config"]["compressor"]["version"]  # an optimizer saved before versions: loads
+  assert keras.optimizers.deserialize(saved).compressor == tf_adacomp.TopK(0.05)

@@ -251,6 +251,18 @@ class Compressor(abc.ABC):
 
   @classmethod
   def from_config(cls, config: Dict[str, Any]) -> "Compressor":
+    """The compressor of ``get_config``'s dict (as Keras' deserialization calls it).
+
+    Raises:
+      ValueError: ``config`` not a dict, or with arguments this release's constructor
+        does not take (a newer tf_adacomp's), naming the config and the installed
+        version.
+    """
+    from tf_adacomp.compressors import registry  # avoid an import cycle at module load
+    if not isinstance(config, dict):
+      raise ValueError(f"A {cls.__name__} config must be a dict of constructor arguments. "
+                       f"Received: config={config!r}")
+    registry.check_config_keys(cls, config, f"Received: config={config!r}")
     return cls(**config)
 
   def __repr__(self):
