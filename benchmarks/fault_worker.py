@@ -7,7 +7,10 @@ Under ``MultiWorkerMirroredStrategy`` (``TF_CONFIG`` set) or, with ``--replicas 
 - ``--kill_at_step S --kill_worker W``: worker W sends itself SIGKILL once the optimizer
   has taken S steps (mid-epoch when S is not a multiple of the epoch's steps);
 - ``--kill_during_save K --kill_worker W``: worker W dies while writing its K-th
-  backup (after half the file is written, before it is renamed into place).
+  backup (after half the file is written, before it is renamed into place);
+- ``--stall_at_step S --kill_worker W``: worker W sleeps ``--stall_seconds`` there,
+  alive (TensorFlow's heartbeats go on): only the collective timeout can end the
+  others' wait.
 
 Writes ``worker{index}.json`` to ``--out_dir``: the step it resumed at, the residue
 totals it restored and those of every backup saved (summed over all replicas: what a
@@ -42,6 +45,9 @@ def parse(argv=None):
   parser.add_argument("--kill_worker", type=int, default=1)
   parser.add_argument("--kill_at_step", type=int, default=-1)
   parser.add_argument("--kill_during_save", type=int, default=-1)
+  parser.add_argument("--stall_at_step", type=int, default=-1,
+                      help="worker --kill_worker sleeps here (alive, heartbeats going)")
+  parser.add_argument("--stall_seconds", type=float, default=120.0)
   parser.add_argument("--collective_timeout", type=float, default=None,
                       help="seconds; multi_worker_strategy(collective_timeout=...)")
   parser.add_argument("--record_every", type=int, default=0,
@@ -110,11 +116,9 @@ def main(argv=None):
         devices=[f"/cpu:{i}" for i in range(args.replicas)])
     index = 0
   else:
-    # TEMP until distribute.multi_worker_strategy takes collective_timeout
-    tf_adacomp.keras_fixes.apply_keras_multi_worker_fix()
-    strategy = tf.distribute.MultiWorkerMirroredStrategy(
-        communication_options=tf.distribute.experimental.CommunicationOptions(
-            timeout_seconds=args.collective_timeout))
+    strategy = tf_adacomp.distribute.multi_worker_strategy(
+        num_workers=len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"]),
+        collective_timeout=args.collective_timeout)
     index = strategy.cluster_resolver.task_id
   record = {"worker": index, "replicas": strategy.num_replicas_in_sync, "saves": [],
             "records": [], "pid": os.getpid()}
@@ -187,6 +191,10 @@ def main(argv=None):
       step = int(optimizer.iterations.numpy())
       if step == args.kill_at_step and index == args.kill_worker:
         die(step=step)
+      if step == args.stall_at_step and index == args.kill_worker:
+        record.update(stalled_at=time.time(), step=step)
+        write()
+        time.sleep(args.stall_seconds)  # then its next collective fails: peers are gone
       if args.record_every and step % args.record_every == 0:
         norm = float(np.sqrt(sum(float(np.sum(t * t)) for t in residue_totals())))
         record["records"].append({"step": step, "residue_norm": norm, "rss_mib": rss_mib(),

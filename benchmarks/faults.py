@@ -13,7 +13,8 @@ uninterrupted run of the same steps.
 Scenarios: ``mid_epoch`` (worker 1 at a step inside an epoch), ``chief`` (worker 0, the
 one whose backup is kept), ``before_backup`` (before the first backup: the job starts
 over), ``save_worker`` and ``save_chief`` (while writing a backup, half the file
-written).
+written), ``stalled`` (worker 1 not killed but asleep, alive: its peer is freed by
+``--collective_timeout`` alone).
 
 ``--soak_steps N`` instead trains the Fashion-MNIST CNN with AdaComp for N steps on 4
 replicas (``MirroredStrategy`` over 4 logical CPUs, one process) and reports the
@@ -46,6 +47,7 @@ SCENARIOS = {
     "before_backup": (1, ["--kill_at_step", "2"]),
     "save_worker": (1, ["--kill_during_save", "3"]),
     "save_chief": (0, ["--kill_during_save", "3"]),
+    "stalled": (1, ["--stall_at_step", "{mid}", "--stall_seconds", "{stall}"]),
 }
 
 
@@ -122,7 +124,8 @@ def scenario(name, args, work, baseline):
   """Kills a worker as ``name`` says, restarts the job, and measures the resumed run."""
   victim, fault = SCENARIOS[name]
   mid = args.steps_per_epoch + args.steps_per_epoch // 2 - 1  # not a save step either
-  fault = [a.replace("{mid}", str(mid)) for a in fault]
+  stall = args.collective_timeout + 30  # outlives the timeout, then fails too
+  fault = [a.replace("{mid}", str(mid)).replace("{stall}", str(stall)) for a in fault]
   backup = os.path.join(work, name, "backup")
   common = _common(args, backup)
   start = time.monotonic()
@@ -132,8 +135,9 @@ def scenario(name, args, work, baseline):
   resumed = run_job(common, args.workers, os.path.join(work, name, "resumed"), args.timeout)
   dead = killed[victim]
   survivors = [r for i, r in enumerate(killed) if i != victim]
-  detect = [r["failed_at"] - dead["killed_at"] for r in survivors
-            if "failed_at" in r and "killed_at" in dead]
+  fault_time = dead.get("killed_at", dead.get("stalled_at"))
+  detect = [r["failed_at"] - fault_time for r in survivors
+            if "failed_at" in r and fault_time is not None]
   # The backup the job must resume from: the last one the chief completed.
   chief_saves = killed[0].get("saves", [])
   expected = chief_saves[-1]["step"] if chief_saves else 0
