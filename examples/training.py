@@ -66,7 +66,10 @@ def train(example, config, callbacks=()) -> Dict[str, Any]:
   steps_per_epoch = config.steps_per_epoch or max(data.train_size // config.batch_size, 1)
   chief = distribution.is_chief(strategy)
   model_dir = config.model_dir
-  if model_dir and not chief:  # every worker writes checkpoints; only the chief keeps them
+  # One backup for the whole job, in --model_dir (a folder every worker reads; only the
+  # chief's save is kept there, see tf_adacomp.BackupAndRestore); logs per worker.
+  backup_dir = os.path.join(model_dir, "checkpoint") if model_dir else None
+  if model_dir and not chief:
     model_dir = os.path.join(model_dir, "workers", str(strategy.cluster_resolver.task_id))
 
   with strategy.scope():
@@ -83,9 +86,9 @@ def train(example, config, callbacks=()) -> Dict[str, Any]:
   callbacks = list(callbacks) + own + ([stats] if compressing else [])
   if model_dir:
     callbacks += [
-        # Weights, optimizer state and residues, every epoch; a rerun resumes from them.
-        keras.callbacks.BackupAndRestore(os.path.join(model_dir, "checkpoint"),
-                                         delete_checkpoint=False),
+        # Weights, optimizer state and residues, every epoch, replaced atomically; a
+        # rerun resumes from them.
+        tf_adacomp.BackupAndRestore(backup_dir, delete_checkpoint=False),
         keras.callbacks.TensorBoard(os.path.join(model_dir, "logs"))]
 
   fit_start = time.perf_counter()

@@ -253,6 +253,13 @@ def test_multi_worker_strategy_bad_num_workers(monkeypatch, num_workers, error):
     distribute.multi_worker_strategy(num_workers=num_workers)
 
 
+@pytest.mark.parametrize("timeout", [0, -1.0, float("inf"), float("nan"), "30", True])
+def test_multi_worker_strategy_bad_collective_timeout(monkeypatch, timeout):
+  monkeypatch.delenv("TF_CONFIG", raising=False)
+  with pytest.raises(ValueError, match=r"Received: collective_timeout="):
+    distribute.multi_worker_strategy(collective_timeout=timeout)
+
+
 def _worker_with_one_worker_more():
   """A worker of test_workers_whose_clusters_differ_fail_fast: worker 1's TF_CONFIG lists
   a third worker (at $EXTRA_WORKER, where nothing runs), worker 0's the two there are."""

@@ -22,6 +22,9 @@ def test_fashion_mnist_trains_on_two_workers_compressed(tmp_path):
   summary = json.loads((model_dir / "summary.json").read_text())  # the chief's
   assert (summary["strategy"], summary["replicas"], summary["steps"]) == ("multi_worker", 2, 3)
   assert summary["compression"]["dense"]["ratio"] > 10
-  assert (model_dir / "workers" / "1" / "checkpoint").is_dir()  # the other worker's
+  # One backup for the job, the chief's (tf_adacomp.BackupAndRestore); logs per worker.
+  assert (model_dir / "checkpoint" / "latest.weights.h5").is_file()
+  assert not (model_dir / "workers" / "1" / "checkpoint").exists()
+  assert (model_dir / "workers" / "1" / "logs").is_dir()
   assert "compression ratio, all" in results[0].stdout
   assert "compression ratio, all" not in results[1].stdout  # printed by the chief only
