@@ -2,16 +2,26 @@
 resumed from tf_adacomp.BackupAndRestore (the other scenarios and the soak run in the
 benchmark itself; docs/reliability.md has their figures)."""
 
-import benchmark_scripts  # noqa: F401  (puts benchmarks/ on sys.path)
-import faults
+import json
+import os
+import subprocess
+import sys
+
+import benchmark_scripts
+
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
 
 
 def test_a_worker_killed_mid_epoch_fails_its_peer_and_the_job_resumes(tmp_path):
-  result = faults.main(["--scenarios", "mid_epoch", "--epochs", "2", "--steps_per_epoch", "6",
-                        "--save_freq", "3", "--collective_timeout", "60", "--timeout", "240",
-                        "--no_baseline", "--json", str(tmp_path / "faults.json")])
-  row, = result["scenarios"]
-  assert row["killed_at_step"] == 8 and row["victim_returncode"] == -9
+  result = subprocess.run(
+      [sys.executable, os.path.join(benchmark_scripts.BENCHMARKS_DIR, "faults.py"),
+       "--scenarios", "mid_epoch", "--epochs", "2", "--steps_per_epoch", "6",
+       "--save_freq", "3", "--collective_timeout", "60", "--timeout", "240", "--no_baseline",
+       "--json", str(tmp_path / "faults.json")],
+      capture_output=True, text=True, env=ENV, timeout=560, check=False)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  row, = json.loads((tmp_path / "faults.json").read_text())["scenarios"]
+  assert row["killed_at_step"] == 8 and row["victim_returncode"] == -9, row
   # The survivor failed on its own (TensorFlow's heartbeats or the collective timeout),
   # well before the job's 240 s limit.
   assert row["survivors_failed"], row
@@ -22,4 +32,4 @@ def test_a_worker_killed_mid_epoch_fails_its_peer_and_the_job_resumes(tmp_path):
   assert row["resumed_at"] == [6] and row["expected_resume"] == 6, row
   assert row["residues_restored"] and row["restored_weights_identical"], row
   assert row["final_weights_identical"] and row["steps"] == 12, row
-  assert row["ok"]
+  assert row["ok"], row
