@@ -41,7 +41,9 @@ def parse(argv=None):
   parser.add_argument("--batch_size", type=int, default=64, help="global")
   parser.add_argument("--learning_rate", type=float, default=0.05)
   parser.add_argument("--save_freq", type=int, default=4, help="batches between backups")
-  parser.add_argument("--backup_dir", required=True)
+  parser.add_argument("--backup_dir", required=True,
+                      help="'{worker}' in it becomes the worker's index (a folder each: "
+                           "the mistake BackupAndRestore must catch)")
   parser.add_argument("--kill_worker", type=int, default=1)
   parser.add_argument("--kill_at_step", type=int, default=-1)
   parser.add_argument("--kill_during_save", type=int, default=-1)
@@ -201,14 +203,14 @@ def main(argv=None):
                                   "replicas_identical": replicas_identical(),
                                   "loss": float(logs["loss"]) if logs else None})
 
-  backup = tf_adacomp.BackupAndRestore(args.backup_dir, save_freq=args.save_freq,
-                                       delete_checkpoint=False)
+  backup = tf_adacomp.BackupAndRestore(args.backup_dir.replace("{worker}", str(index)),
+                                       save_freq=args.save_freq, delete_checkpoint=False)
   data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(args.batch_size)
   try:
     model.fit(data, epochs=args.epochs, steps_per_epoch=args.steps_per_epoch,
               callbacks=[backup, Probe()], verbose=0, shuffle=False)
   except Exception as error:  # pylint: disable=broad-except
-    record.update(error=type(error).__name__, message=str(error)[:2000], failed_at=time.time())
+    record.update(error=type(error).__name__, message=str(error)[:4000], failed_at=time.time())
     write()
     sys.exit(1)
   logits = model.predict(x_test, batch_size=500, verbose=0)

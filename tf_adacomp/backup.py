@@ -16,17 +16,18 @@ collectives need them all), but only the chief's backup is kept, in ``backup_dir
 each file replaces the previous one by a rename, so that a kill leaves the old backup
 or the new one, never part of one. The other workers write to a scratch folder and
 delete it. Every worker restores from ``backup_dir`` (a folder all of them read, as
-Keras' multi-worker backups have always assumed), and then checks with the others that
-all resumed at the same step.
+Keras' multi-worker backups have always assumed), after checking with the others that
+all found the same backup (a load runs collectives: workers loading different backups,
+or some none, would not even fail cleanly).
 """
 
+import hashlib
 import json
 import os
 import shutil
 import tempfile
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from tf_adacomp import internals
@@ -59,8 +60,8 @@ class BackupAndRestore(keras.callbacks.Callback):
 
   Raises:
     ValueError: an empty ``backup_dir`` or a bad ``save_freq``; at the start of
-      training, an unbuilt model (as Keras), or workers that restored different steps
-      (``backup_dir`` not shared, or holding another run's backup).
+      training, an unbuilt model (as Keras), or workers that found different backups
+      (``backup_dir`` not a folder they share).
   """
 
   def __init__(self, backup_dir, save_freq="epoch", double_checkpoint=False,
@@ -84,6 +85,15 @@ class BackupAndRestore(keras.callbacks.Callback):
     if not self.model.built:
       raise ValueError("BackupAndRestore needs a built model: build it (call it on a "
                        f"batch) before fit(). Received: model={self.model.name!r}")
+    optimizer = self.model.optimizer
+    if optimizer is not None and not optimizer.built:
+      # On every worker, backup or not: under MultiWorkerMirroredStrategy creating a
+      # variable is a collective (its initial value is broadcast), so a worker that
+      # built alone would wait for the others.
+      optimizer.build(self.model.trainable_variables)
+    # Before loading: a load under MultiWorkerMirroredStrategy runs collectives, so
+    # workers that would load different backups (or some none) must not start.
+    _check_same_backup_everywhere(self.model, self.backup_dir)
     for suffix in ("", ".bkp"):  # the latest backup, else the previous one
       weights = os.path.join(self.backup_dir, WEIGHTS_FILE + suffix)
       if not tf.io.gfile.exists(weights):
@@ -94,12 +104,8 @@ class BackupAndRestore(keras.callbacks.Callback):
       except OSError:
         if suffix:
           raise
-    _check_same_step_everywhere(self.model, self.backup_dir)
 
   def _restore(self, weights, metadata):
-    optimizer = self.model.optimizer
-    if optimizer is not None and not optimizer.built:
-      optimizer.build(self.model.trainable_variables)
     if weights.endswith(".weights.h5"):
       self.model.load_weights(weights)
     else:  # the previous backup: Keras reads only names ending in ".weights.h5"
@@ -178,20 +184,42 @@ def _write(path, text):
     f.write(text)
 
 
-def _check_same_step_everywhere(model, backup_dir):
-  """Raises ValueError unless every worker of a multi-worker strategy is at the same
-  optimizer step (after restoring, or finding nothing to restore)."""
+def _backup_fingerprint(backup_dir):
+  """``(found, digest)`` of the backup in ``backup_dir``: whether there is one, and a
+  63-bit digest of its metadata and its files' sizes (equal for workers reading the
+  same folder; a digest, not a hash of the weights, to stay cheap for large models)."""
+  parts = []
+  for name in (WEIGHTS_FILE, METADATA_FILE, WEIGHTS_FILE + ".bkp", METADATA_FILE + ".bkp"):
+    path = os.path.join(backup_dir, name)
+    if not tf.io.gfile.exists(path):
+      parts.append(f"{name}:-")
+      continue
+    size = tf.io.gfile.stat(path).length
+    content = ""
+    if name.startswith(METADATA_FILE):
+      with tf.io.gfile.GFile(path) as f:
+        content = f.read()
+    parts.append(f"{name}:{size}:{content}")
+  found = tf.io.gfile.exists(os.path.join(backup_dir, WEIGHTS_FILE))
+  digest = int.from_bytes(hashlib.sha256("|".join(parts).encode()).digest()[:8], "big") >> 1
+  return found, digest
+
+
+def _check_same_backup_everywhere(model, backup_dir):
+  """Raises ValueError unless every worker of a multi-worker strategy finds the same
+  backup in ``backup_dir`` (or every worker none)."""
   strategy = model.distribute_strategy
-  if (model.optimizer is None
-      or not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+  if (not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
       or not internals.in_multi_worker_mode(strategy)):
     return
-  step = tf.reshape(tf.cast(model.optimizer.iterations, tf.int64), [1])
-  steps = strategy.gather(
-      strategy.experimental_distribute_values_from_function(lambda _: step), axis=0)
-  low, high = int(np.min(steps)), int(np.max(steps))
-  if low != high:
+  found, digest = _backup_fingerprint(backup_dir)
+  mine = tf.constant([[int(found), digest]], tf.int64)
+  rows = strategy.gather(
+      strategy.experimental_distribute_values_from_function(lambda _: mine), axis=0).numpy()
+  if len({tuple(row) for row in rows}) > 1:
+    with_backup = int(rows[:, 0].sum())
     raise ValueError(
-        f"The workers resumed at different training steps (from {low} to {high}): all "
-        f"must restore the same backup, so `backup_dir` must be a folder every worker "
-        f"reads, holding this run's backup only. Received: backup_dir={backup_dir!r}")
+        f"The workers found different backups: {with_backup} of {len(rows)} found one in "
+        f"`backup_dir`, and not the same. Every worker must restore the same backup, so "
+        f"`backup_dir` must be a folder all of them read (a shared filesystem), holding "
+        f"this run's backup only. Received: backup_dir={backup_dir!r}")
