@@ -1,5 +1,5 @@
 """benchmarks/faults.py with real worker processes: a worker killed mid-epoch, the job
-resumed from tf_adacomp.BackupAndRestore, and workers that restore different steps
+resumed from tf_adacomp.BackupAndRestore, and workers that find different backups
 refused (the other scenarios and the soak run in the benchmark itself;
 docs/reliability.md has their figures)."""
 
