@@ -267,6 +267,16 @@ ADACOMP_CASES = [((40, 25), "one"), ((7,), "one"), ((40, 25), "gathered"),
                  ((40, 25), "truncated")]
 
 
+def _payload(make_row, kind, rng, rows):
+  """One ``kind`` row (``rows`` 1), or ``rows`` gathered rows: one ``kind`` row among
+  well-formed ones (with random codes), at a place drawn from ``rng``."""
+  if rows == 1:
+    return make_row(kind)
+  kinds = ["valid"] * rows
+  kinds[rng.integers(rows)] = kind
+  return np.stack([make_row(k) for k in kinds])
+
+
 @hypothesis.settings(**SETTINGS)
 @hypothesis.given(case=st.sampled_from(ADACOMP_CASES), kind=st.sampled_from(KINDS),
                   seed=st.integers(0, 2**32 - 1))
@@ -286,13 +296,8 @@ def _check_adacomp(case, kind, seed, scale):
   rng = np.random.default_rng(seed)
   _, _, header, full, _ = _adacomp_layout(shape, scale)
   width = header + TRUNCATED_CODE_WORDS if rows == "truncated" else full
-  if rows == "one":
-    payload = _adacomp_row(kind, rng, shape, scale, width)
-  else:
-    # One hostile row among well-formed ones (with random codes), at a drawn place.
-    kinds = ["valid"] * ROWS
-    kinds[rng.integers(ROWS)] = kind
-    payload = np.stack([_adacomp_row(k, rng, shape, scale, width) for k in kinds])
+  payload = _payload(lambda k: _adacomp_row(k, rng, shape, scale, width), kind, rng,
+                     1 if rows == "one" else ROWS)
   got = _decode_adacomp(payload, shape, scale)
   assert_decoded_safely(got, _expect_adacomp(payload, shape, scale), shape)
 
@@ -430,12 +435,7 @@ def _expect_bucket(rows, scale):
                   kind=st.sampled_from(KINDS), seed=st.integers(0, 2**32 - 1))
 def test_bucket_decodes_hostile_words_safely(scale, gathered, kind, seed):
   rng = np.random.default_rng(seed)
-  if gathered:
-    kinds = ["valid"] * 2
-    kinds[rng.integers(2)] = kind
-    payload = np.stack([_bucket_row(k, rng, scale) for k in kinds])
-  else:
-    payload = _bucket_row(kind, rng, scale)
+  payload = _payload(lambda k: _bucket_row(k, rng, scale), kind, rng, 2 if gathered else 1)
   decoded = adacomp_bucket.decompress(tf.constant(payload), BUCKET_SHAPES, tf.float32,
                                       BUCKET_BIN_SIZE, BUCKET_DENSITY, scale)
   assert len(decoded) == len(BUCKET_SHAPES)
@@ -495,12 +495,7 @@ def _expect_topk(rows):
                   seed=st.integers(0, 2**32 - 1))
 def test_topk_decodes_hostile_words_safely(gathered, kind, seed):
   rng = np.random.default_rng(seed)
-  if gathered:
-    kinds = ["valid"] * 2
-    kinds[rng.integers(2)] = kind
-    payload = np.stack([_topk_row(k, rng) for k in kinds])
-  else:
-    payload = _topk_row(kind, rng)
+  payload = _payload(lambda k: _topk_row(k, rng), kind, rng, 2 if gathered else 1)
   got = topk_ops.topk_decompress(tf.constant(payload), TOPK_SHAPE, TOPK_DENSITY, tf.float32)
   assert_decoded_safely(got, _expect_topk(payload), TOPK_SHAPE)
 
@@ -577,12 +572,7 @@ def _expect_fft(rows):
                   seed=st.integers(0, 2**32 - 1))
 def test_fft_decodes_hostile_words_safely(gathered, kind, seed):
   rng = np.random.default_rng(seed)
-  if gathered:
-    kinds = ["valid"] * 2
-    kinds[rng.integers(2)] = kind
-    payload = np.stack([_fft_row(k, rng) for k in kinds])
-  else:
-    payload = _fft_row(kind, rng)
+  payload = _payload(lambda k: _fft_row(k, rng), kind, rng, 2 if gathered else 1)
   got = fft_ops.fft_decompress(tf.constant(payload), FFT_SHAPE, FFT_THETA, tf.float32,
                                FFT_E, FFT_M)
   assert got.dtype == tf.float32 and tuple(got.shape) == FFT_SHAPE
