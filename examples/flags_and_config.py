@@ -2,7 +2,7 @@
 
 The choices of ``--compressor``, ``--reduction``, ``--adasum_mode`` and
 ``--optimizer_exchange`` are the library's own lists (``tf_adacomp.available_compressors()``,
-``collectives.REDUCTIONS``, ``optimizer.ADASUM_MODES``, ``optimizer.EXCHANGES``), not
+``exchange.REDUCTIONS``, ``optimizer.ADASUM_MODES``, ``optimizer.EXCHANGES``), not
 copies: importing ``tf_adacomp.examples`` loads the library (and TensorFlow) anyway.
 ``validate`` also builds the compressor (``optimizers.make_compressor``) for the
 library's own checks of its options.
@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional
 from absl import flags
 
 import tf_adacomp
-import tf_adacomp.collectives
+import tf_adacomp.exchange
 import tf_adacomp.optimizer
 from tf_adacomp.examples import optimizers
 
@@ -23,7 +23,7 @@ FLAGS = flags.FLAGS
 
 STRATEGIES = ("mirrored", "multi_worker", "one_device")
 EXCHANGES = ("optimizer", "cross_device_ops")
-REDUCTIONS = tf_adacomp.collectives.REDUCTIONS
+REDUCTIONS = tf_adacomp.exchange.REDUCTIONS
 ADASUM_MODES = tf_adacomp.optimizer.ADASUM_MODES
 OPTIMIZER_EXCHANGES = tf_adacomp.optimizer.EXCHANGES
 # The exchange of each reduction when --optimizer_exchange is unset.

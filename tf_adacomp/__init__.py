@@ -32,8 +32,8 @@ from tf_adacomp import resist
 from tf_adacomp import schedules
 from tf_adacomp.backup import BackupAndRestore
 from tf_adacomp.callbacks import CompressionStats
-from tf_adacomp.collectives import Exchange
-from tf_adacomp.collectives import replica_exchange
+from tf_adacomp.exchange import Exchange
+from tf_adacomp.exchange import replica_exchange
 from tf_adacomp.cross_device_ops import CompressedAllReduce
 from tf_adacomp.optimizer import CompressedOptimizer
 from tf_adacomp.compressors import AdaComp

@@ -9,7 +9,7 @@ goes through it: the floating-point tensors of one batch are compressed on their
 device, with one residue per device and per tensor kept across steps, only the compact
 payloads are copied to the destination devices, and each destination decodes and sums
 them in device order (bit-identical on every device; each destination device holds its
-own result). This is ``collectives.Exchange.local_exchange``, the engine that the
+own result). This is ``exchange.Exchange.local_exchange``, the engine that the
 optimizer wrapper runs with collectives. IndexedSlices, integer tensors, scalars (losses,
 metric totals and counts) and tensors without a static shape are reduced exactly
 (uncompressed), under every compressor and reduction.
@@ -49,8 +49,8 @@ from tensorflow.python.distribute import distribute_utils
 from tensorflow.python.distribute import values as values_lib
 from tensorflow.python.ops import resource_variable_ops
 
-from tf_adacomp import collectives
 from tf_adacomp import compile_log
+from tf_adacomp import exchange as exchange_lib
 from tf_adacomp import internals
 from tf_adacomp import stats
 from tf_adacomp.compressors import registry
@@ -90,8 +90,8 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
     start_step = checks.non_negative_int(start_step, "start_step")
     self.compressor = compressor
     self.start_step = start_step
-    self.reduction = collectives.check_reduction(reduction)
-    self._exchange = collectives.Exchange(compressor, reduction)
+    self.reduction = exchange_lib.check_reduction(reduction)
+    self._exchange = exchange_lib.Exchange(compressor, reduction)
     self._exact = tf.distribute.ReductionToOneDevice()
     self.residues = {}   # key -> [per device: [state variables]]
     self.steps = {}      # key of an exchange's first tensor -> int64 variable: reductions done

@@ -6,7 +6,7 @@ Modelled on Keras' ``LossScaleOptimizer``. Two exchanges (``exchange=``; the def
 
 - ``"gradients"``: in each replica it compresses the gradients (residues are optimizer
   variables), exchanges the compact payloads with the strategy's collectives
-  (``collectives.Exchange``), decodes and sums them, and hands the sum to the
+  (``exchange.Exchange``), decodes and sums them, and hands the sum to the
   inner optimizer with the inner optimizer's own dense all-reduce switched off, so no
   gradient-sized tensor crosses devices. A step whose summed gradient is not finite
   (e.g. float16 overflow) changes nothing: the residues are restored and the inner
@@ -50,8 +50,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_adacomp import collectives
 from tf_adacomp import compile_log
+from tf_adacomp import exchange as exchange_lib
 from tf_adacomp import keras_fixes
 from tf_adacomp import loss_scale
 from tf_adacomp import stats
@@ -210,7 +210,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
           f"optimizer does not have (Keras {keras.__version__}, backend "
           f"{keras.backend.backend()}). Received: inner_optimizer={inner_optimizer!r}")
     start_step = checks.non_negative_int(start_step, "start_step")
-    reduction = collectives.check_reduction(reduction)
+    reduction = exchange_lib.check_reduction(reduction)
     exchange = _resolve_exchange(reduction, adasum_mode, exchange)
     local_clipnorm = _check_local_clipnorm(local_clipnorm)
     compressor = registry.get_compressor(compressor)
@@ -226,7 +226,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     self.compressor = compressor
     self.start_step = start_step
     self.reduction = reduction
-    self._exchange = collectives.Exchange(compressor, reduction)
+    self._exchange = exchange_lib.Exchange(compressor, reduction)
     self._adasum_mode_argument = adasum_mode
     self.exchange = exchange
     self.momentum_masking = momentum_masking

@@ -2,7 +2,7 @@
 
 Each learner computes the gradient of its shard of the batch, compresses it with its own
 state (residues), and the payloads are combined by the package's own exchange
-(``collectives.Exchange.local_exchange``, as ``CompressedAllReduce`` runs it), then
+(``exchange.Exchange.local_exchange``, as ``CompressedAllReduce`` runs it), then
 averaged and applied. Useful to study how compression affects accuracy and how many
 bytes it sends, on any machine.
 """
@@ -12,7 +12,7 @@ from typing import Dict
 import keras
 import tensorflow as tf
 
-from tf_adacomp import collectives
+from tf_adacomp import exchange
 from tf_adacomp import stats
 from tf_adacomp.compressors import registry
 from tf_adacomp.ops import checks
@@ -38,7 +38,7 @@ class SimulatedLearners:
     self.optimizer = optimizer
     self.loss = keras.losses.get(loss)
     self.compressor = registry.get_compressor(compressor)
-    self._exchange = collectives.Exchange(self.compressor)
+    self._exchange = exchange.Exchange(self.compressor)
     self.learners = learners
     variables = model.trainable_variables
     self.plans = [self.compressor.plan(v.shape, v.dtype, v.path) for v in variables]

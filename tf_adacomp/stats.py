@@ -1,6 +1,6 @@
 """Byte accounting, the one place where the package counts bytes on the wire.
 
-``exchange_nbytes`` is the byte model of the compressed exchange (``collectives``):
+``exchange_nbytes`` is the byte model of the compressed exchange (``exchange``):
 what one replica sends for each tensor, from the lengths that were really exchanged.
 ``summarize`` turns per-tensor bytes into per-kind totals and compression ratios (dense
 float32 bytes / bytes sent), for the optimizer, the cross-device ops, the Keras callback,

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tf_adacomp
-from tf_adacomp import collectives
+from tf_adacomp import exchange
 
 DEVICES = [f"/cpu:{i}" for i in range(2)]  # 2 replicas: XLA compiles per device
 
@@ -137,7 +137,7 @@ def test_exchange_under_mirrored_strategy_is_bit_identical_on_every_replica():
   def step(grads, residues, steps):
     def replica_fn(grads, residues, steps):
       states = [(r, s) for r, s in zip(residues, steps)]
-      exchanged = collectives.replica_exchange(compressor, plans, grads, states)
+      exchanged = exchange.replica_exchange(compressor, plans, grads, states)
       return exchanged.sums, [s[0] for s in exchanged.states], [s[1] for s in exchanged.states]
     return strategy.run(replica_fn, args=(grads, residues, steps))
 

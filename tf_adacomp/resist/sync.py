@@ -6,7 +6,7 @@ buffer (variable length: it depends on the blocks held), with the length of ever
 (shared, block 0, block 1, ...; 0 for a block not held) beside it. Two all-gathers
 (the lengths, then the buffers: the collective pads every buffer to the longest and
 returns them back to back) give every replica all of them; each replica rebuilds the
-``[replicas, words]`` rows of every segment (``collectives.gathered_rows``), sums the rows in
+``[replicas, words]`` rows of every segment (``exchange.gathered_rows``), sums the rows in
 replica order (a row not held is zeros) and divides by the number of holders, so every
 replica computes bit-identical averages. Each replica then sets its own copy of every
 variable, with no further communication.
@@ -23,12 +23,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_adacomp import collectives
+from tf_adacomp import exchange
 from tf_adacomp import stats
 
 WORD_BYTES = 4  # float32 values and int32 lengths
 # The rows of one segment out of the gathered buffers: the compressed exchange's own.
-_rows = collectives.gathered_rows
+_rows = exchange.gathered_rows
 
 
 class RoundBytes(NamedTuple):

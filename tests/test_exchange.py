@@ -5,27 +5,27 @@ import pytest
 import tensorflow as tf
 
 import tf_adacomp
-from tf_adacomp import collectives
+from tf_adacomp import exchange
 from tf_adacomp import stats
 
 DEVICES = [f"/cpu:{i}" for i in range(4)]
 
 
 def test_reductions_are_values():
-  assert collectives.REDUCTIONS == ("sum", "adasum")
-  assert collectives.get_reduction("sum") is collectives.SUM
-  assert collectives.get_reduction(collectives.ADASUM) is collectives.ADASUM
-  assert collectives.SUM.to_mean(8.0, 4) == 2.0 and collectives.SUM.to_sum(8.0, 4) == 8.0
-  assert collectives.ADASUM.to_mean(2.0, 4) == 2.0 and collectives.ADASUM.to_sum(2.0, 4) == 8.0
+  assert exchange.REDUCTIONS == ("sum", "adasum")
+  assert exchange.get_reduction("sum") is exchange.SUM
+  assert exchange.get_reduction(exchange.ADASUM) is exchange.ADASUM
+  assert exchange.SUM.to_mean(8.0, 4) == 2.0 and exchange.SUM.to_sum(8.0, 4) == 8.0
+  assert exchange.ADASUM.to_mean(2.0, 4) == 2.0 and exchange.ADASUM.to_sum(2.0, 4) == 8.0
   a = tf.constant([1.0, 0.0])
-  np.testing.assert_allclose(collectives.ADASUM.combine([a, a]), [1.0, 0.0])  # equal: mean
-  np.testing.assert_allclose(collectives.SUM.combine([a, a]), [2.0, 0.0])
+  np.testing.assert_allclose(exchange.ADASUM.combine([a, a]), [1.0, 0.0])  # equal: mean
+  np.testing.assert_allclose(exchange.SUM.combine([a, a]), [2.0, 0.0])
 
 
 @pytest.mark.parametrize("bad", ["mean", None, 3])
 def test_unknown_reduction_is_named(bad):
   with pytest.raises(ValueError, match=f"reduction={bad!r}"):
-    collectives.get_reduction(bad)
+    exchange.get_reduction(bad)
 
 
 @pytest.mark.parametrize("fuse", [False, True])
@@ -47,7 +47,7 @@ def test_replica_exchange_reports_what_the_joined_gather_sends(fuse):
       r = tf.distribute.get_replica_context().replica_id_in_sync_group
       own = [tf.gather(tf.constant(np.stack([g[i] for g in grads])), r) for i in range(2)]
       states = [compressor.init(p) for p in plans]
-      return collectives.replica_exchange(compressor, plans, own, states).nbytes
+      return exchange.replica_exchange(compressor, plans, own, states).nbytes
     return strategy.run(replica_fn)
 
   reported = [strategy.experimental_local_results(b)[0].numpy() for b in step()]
