@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import adasum_reference
 import tf_adacomp
 
 DEVICES = ["/cpu:0", "/cpu:1"]
@@ -52,6 +53,29 @@ def _destinations(strategy, kind):
   return _per_replica(strategy, lambda r: tf.zeros(SHAPE))  # "per_replica"
 
 
+def _dense_gradients():
+  """What each replica gives as the batch's dense float tensor (``_batch``'s first)."""
+  return [np.arange(64, dtype=np.float32).reshape(SHAPE) * float(r + 1)
+          for r in range(len(DEVICES))]
+
+
+def _error_feedback_result(ops, batch_size, reduce_op, reduction):
+  """What a compressed reduction of the dense tensor must return, from the residues it
+  left: each device's decoded contribution is its gradient less its new residue (the old
+  ones were zero), and the contributions are summed (or combined by Adasum)."""
+  key, = [k for k in ops.residues if k.startswith(f"eager/batch{batch_size}_0_")]
+  decoded = []
+  for gradient, state in zip(_dense_gradients(), ops.residues[key]):
+    residue = state[0].numpy() if state else np.zeros(SHAPE, np.float32)  # fp16, bf16, none
+    decoded.append(gradient.astype(np.float64) - residue)
+  replicas = len(DEVICES)
+  if reduction == "adasum":
+    total = adasum_reference.np_adasum(decoded).reshape(SHAPE)
+    return total * replicas if reduce_op == SUM else total
+  total = sum(decoded)
+  return total if reduce_op == SUM else total / replicas
+
+
 def _run(ops, reduce_op, kind):
   """The batch reduced by ``ops`` with batch_reduce and with reduce, as numpy arrays
   (IndexedSlices made dense), and the result's type and where each component lives."""
@@ -81,6 +105,8 @@ def test_reduce_and_batch_reduce_as_reduction_to_one_device(compressor, reductio
       ops = tf_adacomp.CompressedAllReduce(compressor, min_size=0, reduction=reduction)
       got = _run(ops, reduce_op, kind)
       expected = _run(tf.distribute.ReductionToOneDevice(), reduce_op, kind)
+      # batch_reduce's dense tensor, then reduce's: separate residues, both from zero.
+      fed_back = [_error_feedback_result(ops, size, reduce_op, reduction) for size in (4, 1)]
       for position, ((values, devices), (reference, reference_devices)) in enumerate(
           zip(got, expected)):
         where = f"{reduce_op} to {kind}, tensor {position % 4}"
@@ -91,8 +117,9 @@ def test_reduce_and_batch_reduce_as_reduction_to_one_device(compressor, reductio
           np.testing.assert_array_equal(value, values[0], err_msg=where)  # same everywhere
           if position % 4 or not lossy:  # exact paths, or nothing lost
             np.testing.assert_allclose(value, ref, rtol=1e-6, err_msg=where)
-          else:
-            assert np.all(np.isfinite(value)), where
+          else:  # decoded sum + new residues == exact sum + old residues (zero)
+            np.testing.assert_allclose(value, fed_back[position // 4], rtol=1e-5, atol=1e-4,
+                                       err_msg=where)
 
 
 def test_a_value_that_is_not_per_replica_is_reduced_as_one():
