@@ -113,3 +113,33 @@ def test_the_documented_custom_loop_trains_and_keeps_replicas_equal():
   kernel = next(i for i, p in enumerate(plans) if not p.dense)
   held = [r.numpy() for r in strategy.experimental_local_results(residues[kernel][0])]
   assert all(np.abs(h).sum() > 0 for h in held) and not np.array_equal(held[0], held[1])
+
+
+@pytest.mark.parametrize("reduction", ["sum", "adasum"])
+def test_decode_reads_one_incoming_record(reduction):
+  """``decode`` takes what arrived as one ``Incoming``: built by hand from each replica's
+  ``Outgoing`` (joined buffers, stacked lengths, summed or stacked summable payloads), it
+  gives the totals of ``local_exchange`` bit for bit."""
+  compressor = tf_adacomp.AdaComp(min_size=100)
+  engine = exchange.Exchange(compressor, reduction)
+  plans = [compressor.plan([2000], tf.float32, "a"), compressor.plan([10], tf.float32, "b"),
+           compressor.plan([3000], tf.float32, "c")]
+  rng = np.random.default_rng(1)
+  grads = [[tf.constant(rng.standard_normal(p.num_elements).astype(np.float32)) for p in plans]
+           for _ in range(2)]
+  states = [[compressor.init(p) for p in plans] for _ in range(2)]
+  totals, _ = engine.local_exchange(plans, grads, states, DEVICES[:2], DEVICES[:1])
+
+  outs = [engine.compress(plans, g, s) for g, s in zip(grads, states)]
+  summable = list(outs[0].summable)
+  incoming = exchange.Incoming(
+      replicas=2,
+      data=tf.concat([o.buffer() for o in outs], axis=0),
+      lengths=tf.stack([o.lengths() for o in outs]),
+      **({"summed": [tf.add_n([o.summable[i] for o in outs]) for i in summable]}
+         if reduction == "sum" else
+         {"summable_rows": [tf.stack([o.summable[i] for o in outs]) for i in summable]}))
+  decoded = engine.decode(plans, outs[0], incoming)
+  assert summable == [1] and len(outs[0].gathered) >= 1
+  for got, want in zip(decoded, totals[0]):
+    np.testing.assert_array_equal(got.numpy(), want.numpy())

@@ -165,6 +165,28 @@ class Outgoing(NamedTuple):
     return tf.stack([used for _, used in self.gathered.values()])
 
 
+class Incoming(NamedTuple):
+  """What arrives from every replica in one exchange: the input of ``Exchange.decode``.
+
+  Only the fields of the routes ``Outgoing`` used are set; the others are None.
+
+  Attributes:
+    replicas: the number of replicas that sent (collectives may not give it statically).
+    summed: the summable payloads added over replicas, in ``Outgoing.summable`` order
+      (when the reduction ``sums_payloads``).
+    summable_rows: ``[replicas, ...]`` summable payloads, one per ``Outgoing.summable``
+      entry (when it does not: Adasum needs each replica's tensor).
+    data: 1-D int32, every replica's ``Outgoing.buffer()`` joined in replica order.
+    lengths: int32 ``[replicas, compact payloads]``, every replica's
+      ``Outgoing.lengths()``.
+  """
+  replicas: int
+  summed: Optional[List[tf.Tensor]] = None
+  summable_rows: Optional[List[tf.Tensor]] = None
+  data: Optional[tf.Tensor] = None
+  lengths: Optional[tf.Tensor] = None
+
+
 class Exchanged(NamedTuple):
   """Result of an exchange, one entry per gradient (None where the gradient is None).
 
@@ -268,18 +290,17 @@ class Exchange:
       raise RuntimeError("replica_exchange must be called in a replica context "
                          "(inside strategy.run or a Keras train step).")
     out = self.compress(plans, grads, states, dense)
-    replicas = ctx.num_replicas_in_sync
-    summed = summable_rows = all_data = all_lengths = None
+    summed = summable_rows = data = lengths = None
     if out.summable and self.reduction.sums_payloads:
       summed = _all_reduce_joined(ctx, list(out.summable.values()))
     elif out.summable:
       summable_rows = ctx.all_gather([p[None] for p in out.summable.values()], axis=0)
     if out.gathered:
-      all_lengths = ctx.all_gather(out.lengths()[None], axis=0)
-      all_data = ctx.all_gather(out.buffer(), axis=0)
-    sums = self.decode(plans, out, replicas, dense, summed, summable_rows, all_data,
-                       all_lengths)
-    return Exchanged(sums, out.states, self.nbytes(plans, out, all_lengths))
+      lengths = ctx.all_gather(out.lengths()[None], axis=0)
+      data = ctx.all_gather(out.buffer(), axis=0)
+    incoming = Incoming(ctx.num_replicas_in_sync, summed, summable_rows, data, lengths)
+    sums = self.decode(plans, out, incoming, dense)
+    return Exchanged(sums, out.states, self.nbytes(plans, out, incoming))
 
   def local_exchange(self, plans, grads: Sequence[Sequence], states: Sequence[Sequence],
                      devices: Sequence[str], targets: Sequence[str], dense=None):
@@ -306,69 +327,71 @@ class Exchange:
         if out.gathered:
           buffers.append(out.buffer())
           lengths.append(out.lengths())
-    replicas = len(outs)
     first = outs[0]
     totals = []
     for target in targets:
       with tf.device(target):  # only payloads travel; each target decodes its own copy
-        summed = summable_rows = all_data = all_lengths = None
+        summed = summable_rows = data = stacked = None
         if first.summable and self.reduction.sums_payloads:
           summed = [tf.add_n([o.summable[i] for o in outs]) for i in first.summable]
         elif first.summable:
           summable_rows = [tf.stack([o.summable[i] for o in outs]) for i in first.summable]
         if first.gathered:
-          all_lengths = tf.stack(lengths)
-          all_data = tf.concat(buffers, axis=0)
-        totals.append(self.decode(plans, first, replicas, dense, summed, summable_rows,
-                                  all_data, all_lengths))
+          stacked = tf.stack(lengths)
+          data = tf.concat(buffers, axis=0)
+        incoming = Incoming(len(outs), summed, summable_rows, data, stacked)
+        totals.append(self.decode(plans, first, incoming, dense))
     with tf.device(targets[0]):
-      nbytes = self.nbytes(plans, first, tf.stack(lengths) if first.gathered else None)
+      counted = Incoming(len(outs), lengths=tf.stack(lengths) if first.gathered else None)
+      nbytes = self.nbytes(plans, first, counted)
     return totals, Exchanged(totals[0], [o.states for o in outs], nbytes)
 
   # --- Stage 3: decoding and counting ---------------------------------------------------
 
-  def decode(self, plans, out: Outgoing, replicas: int, dense=None, summed=None,
-             summable_rows=None, all_data=None, all_lengths=None) -> List[Optional[tf.Tensor]]:
+  def decode(self, plans, out: Outgoing, incoming: Incoming,
+             dense=None) -> List[Optional[tf.Tensor]]:
     """Every gradient's decoded total from what all replicas sent.
 
     Args:
       plans: one ``TensorPlan`` per gradient.
-      out: this replica's ``Outgoing`` (which gradients went which way, static widths).
-      replicas: the number of replicas.
+      out: this replica's ``Outgoing``: which gradients went which way, and the static
+        widths of their payloads (every replica's are the same).
+      incoming: what arrived from every replica.
       dense: as for ``compress``.
-      summed: the all-reduced summable payloads, in ``out.summable`` order (sum).
-      summable_rows: ``[replicas, ...]`` summable payloads, in ``out.summable`` order
-        (Adasum).
-      all_data: every replica's ``Outgoing.buffer()``, joined in replica order.
-      all_lengths: int32 ``[replicas, compact payloads]``, every replica's lengths.
 
     Returns:
       One decoded total per gradient (None where ``out`` has no payload).
     """
+    replicas = incoming.replicas
     sums = [None] * len(plans)
     for k, i in enumerate(out.summable):
-      if summed is not None:
-        sums[i] = self.compressor.decompress(summed[k], plans[i])
+      if incoming.summed is not None:
+        sums[i] = self.compressor.decompress(incoming.summed[k], plans[i])
       else:
-        rows = tf.ensure_shape(summable_rows[k], [replicas, *out.summable[i].shape])
+        rows = tf.ensure_shape(incoming.summable_rows[k], [replicas, *out.summable[i].shape])
         sums[i] = self.reduction.combine(
             [self.compressor.decompress(rows[r], plans[i]) for r in range(replicas)])
     for k, (bucket, (payload, _)) in enumerate(out.gathered.items()):
       bucket_plans = [plans[i] for i in bucket]
-      rows = gathered_rows(all_data, all_lengths, k, int(payload.shape[0]), replicas)
+      rows = gathered_rows(incoming.data, incoming.lengths, k, int(payload.shape[0]),
+                           replicas)
       totals = self.reduction.decode(
           lambda r, p=bucket_plans: _decode(self.compressor, r, p, dense), rows)
       for i, total in zip(bucket, totals):
         sums[i] = total
     return sums
 
-  def nbytes(self, plans, out: Outgoing, all_lengths=None) -> list:
-    """The bytes one replica sent for each gradient (None where it sent nothing)."""
+  def nbytes(self, plans, out: Outgoing, incoming: Incoming) -> list:
+    """The bytes one replica sent for each gradient (None where it sent nothing).
+
+    Compact payloads are counted from ``incoming.lengths``, the lengths every replica
+    really sent: the gather pads each replica's buffer to the longest.
+    """
     nbytes = [None] * len(plans)
     for i, payload in out.summable.items():
       nbytes[i] = self.compressor.payload_nbytes(payload, plans[i])
     if out.gathered:
-      bucket_nbytes = stats.exchange_nbytes(all_lengths)
+      bucket_nbytes = stats.exchange_nbytes(incoming.lengths)
       for k, bucket in enumerate(out.gathered):
         split = stats.split_nbytes(bucket_nbytes[k], out.shares[bucket])
         for j, i in enumerate(bucket):
