@@ -94,6 +94,14 @@ def test_the_command_is_quiet_unless_verbose(tmp_path):
   noise = [line for line in result.stderr.splitlines() if quiet.is_start_up_noise(line)]
   assert not noise, noise
   assert "3/3" in result.stdout  # Keras' progress bar stays
+
+
+def test_verbose_is_an_option_before_the_command_or_a_log_level_the_user_set(monkeypatch):
+  """conftest sets TF_CPP_MIN_LOG_LEVEL, which alone makes the command verbose: unset here."""
+  monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
   assert quiet.wants_verbose(["--verbose", "train", "fashion_mnist"])
-  assert not quiet.wants_verbose(["train", "fashion_mnist", "--verbose=1"]) or (
-      "TF_CPP_MIN_LOG_LEVEL" in os.environ)
+  assert not quiet.wants_verbose(["train", "fashion_mnist", "--verbose=1"])  # train's flag
+  assert not quiet.wants_verbose(["train", "--verbose"])
+  assert not quiet.wants_verbose([])
+  monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "0")
+  assert quiet.wants_verbose(["train", "fashion_mnist", "--verbose=1"])
