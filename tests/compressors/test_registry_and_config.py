@@ -18,12 +18,38 @@ def test_registry_lists_every_compressor():
   assert tf_adacomp.available_compressors() == ALL
 
 
+# Every argument away from its default: a default compressor round-trips even through a
+# config that drops an argument (the default comes back), and == compares configs.
+NON_DEFAULT = {
+    "adacomp": dict(conv_bin_size=64, dense_bin_size=1000, recurrent_bin_size=250,
+                    bin_sizes={"^head/": 7}, max_density=0.5, min_size=100, scale="bin",
+                    fuse=False),
+    "bf16": dict(min_size=100),
+    "fft": dict(theta=0.8, final_theta=0.5, theta_decay_steps=100, exponent_bits=5,
+                mantissa_bits=2, min_size=100),
+    "fp16": dict(min_size=100),
+    "none": dict(min_size=100),
+    "topk": dict(density=0.05, min_size=100),
+}
+
+
+def _assert_restored(restored, name):
+  kwargs = NON_DEFAULT[name]
+  assert {k: getattr(restored, k) for k in kwargs} == kwargs
+  assert restored == tf_adacomp.get_compressor(name, **kwargs)
+  assert restored != tf_adacomp.get_compressor(name)
+
+
+def test_every_compressor_has_non_default_arguments_here():
+  assert sorted(NON_DEFAULT) == ALL
+
+
 @pytest.mark.parametrize("name", ALL)
 def test_config_round_trip_through_json(name):
-  compressor = tf_adacomp.get_compressor(name)
+  compressor = tf_adacomp.get_compressor(name, **NON_DEFAULT[name])
   config = json.loads(json.dumps(tf_adacomp.serialize_compressor(compressor)))
-  assert tf_adacomp.get_compressor(config) == compressor
-  assert type(compressor).from_config(compressor.get_config()) == compressor
+  _assert_restored(tf_adacomp.get_compressor(config), name)
+  _assert_restored(type(compressor).from_config(compressor.get_config()), name)
 
 
 def test_config_keeps_non_default_arguments():
@@ -38,10 +64,10 @@ def test_config_keeps_non_default_arguments():
 
 @pytest.mark.parametrize("name", ALL)
 def test_keras_serialization_round_trip(name):
-  compressor = tf_adacomp.get_compressor(name)
+  compressor = tf_adacomp.get_compressor(name, **NON_DEFAULT[name])
   restored = keras.saving.deserialize_keras_object(
       keras.saving.serialize_keras_object(compressor))
-  assert restored == compressor
+  _assert_restored(restored, name)
 
 
 def test_instances_and_none_pass_through():
