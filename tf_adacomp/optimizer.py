@@ -20,11 +20,11 @@ Modelled on Keras' ``LossScaleOptimizer``. Two exchanges (``exchange=``; the def
   ``reduction="adasum"``: ``before + Adasum(decoded deltas)``). For SGD with momentum
   this is Deep Gradient Compression's momentum correction (Lin et al., ICLR 2018): the
   velocity is accumulated locally and what the residue holds back is velocity, not
-  gradient. The same bytes cross the wire as with ``"gradients"`` (one payload per
-  variable and step). A step whose own gradient is not finite on some replica changes
-  nothing anywhere (one all-reduced flag); a combined update that is not finite leaves
-  weights and residues as they were, but the inner optimizers' states have taken their
-  step.
+  gradient. The payloads have the format of ``"gradients"``; how many elements a
+  compressor such as AdaComp selects depends on what it compresses. A step whose own
+  gradient is not finite on some replica changes nothing anywhere (one all-reduced
+  flag); a combined update that is not finite leaves weights and residues as they
+  were, but the inner optimizers' states have taken their step.
 
   Per-replica optimizer state: the inner optimizer's slots are created ``on_read`` with
   ``mean`` aggregation, so each replica keeps its own copy (as the residues do); reading
@@ -73,7 +73,7 @@ _BASE_DEFAULTS = {"weight_decay": None, "clipnorm": None, "global_clipnorm": Non
 ALL_REDUCE_HOOK = "_all_reduce_sum_gradients"
 ADASUM_MODES = ("gradient", "delta")
 EXCHANGES = ("gradients", "updates")
-# What ``exchange=None`` means, per reduction (the class docstring gives the measurement
+# What ``exchange=None`` means, per reduction (docs/convergence.md has the measurements
 # behind "updates"; Adasum keeps its documented default, the Adasum of gradients).
 DEFAULT_EXCHANGE = {"sum": "updates", "adasum": "gradients"}
 _EXCHANGE_OF_ADASUM_MODE = {"gradient": "gradients", "delta": "updates"}
@@ -143,12 +143,11 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       and every replica applies their mean; see the module docstring). Default None:
       the one ``adasum_mode`` names, else ``DEFAULT_EXCHANGE[reduction]``: "updates"
       with ``reduction="sum"``, "gradients" with ``"adasum"``. "updates" is the default
-      because it reached dense accuracy where the gradient exchange did not: Fashion-MNIST
-      MLP, 4 replicas, 300 steps, AdaComp, 2 seeds (docs/distributed.md,
-      docs/convergence.md): to 80% test accuracy, SGD+momentum (0.05, 0.9) took 250-275
-      steps with "gradients", 75-100 with "updates", 100 dense, and ended at 0.781,
-      0.833 and 0.828; Adam (0.001) took 200-225, 75 and 50-75 steps and ended at 0.775,
-      0.834 and 0.838. Same bytes on the wire.
+      because it reached dense accuracy where the gradient exchange fell behind, with
+      SGD+momentum and with Adam (docs/convergence.md): each replica's optimizer state
+      sees its own dense gradient instead of sparse, delayed spikes. The payloads have
+      the same format either way; how many elements AdaComp sends depends on what it
+      compresses (an update usually sends more than a gradient).
     momentum_masking: bool, default False. With ``exchange="updates"``, DGC's momentum
       factor masking: after each step, the inner optimizer's momentum (SGD with
       ``momentum > 0``) or first moment (Adam, AdamW) is set to zero, on each replica,
