@@ -2,7 +2,7 @@
 
 The first compressed step compiles one XLA program per kernel and static setting
 (``ops.compiled.kernel``): tens of seconds on CPU for a small model, during which nothing
-else tells the user why the first step stalls (issue 19). ``FirstCompile`` counts the
+else tells the user why the first step stalls. ``FirstCompile`` counts the
 programs a step's tracing created and logs, on the "tf_adacomp" logger:
 
 - eager (the kernels compiled while the step ran): one line with their number and the

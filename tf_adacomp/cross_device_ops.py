@@ -271,7 +271,7 @@ def _refuse_graph_mode():
 
 def _warn_checkpoints_do_not_hold_residues():
   """Once per ``CompressedAllReduce``, at its first residues: nothing but the docstring
-  said that a model's checkpoint restores them as zeros (issue 19)."""
+  said that a model's checkpoint restores them as zeros."""
   logging.getLogger("tf_adacomp").warning(
       "CompressedAllReduce keeps its residues (error feedback) itself: model.save, Keras' "
       "ModelCheckpoint and BackupAndRestore and a tf.train.Checkpoint of the model and "

@@ -202,7 +202,7 @@ def multi_worker_strategy(num_workers: Optional[int] = None,
 
   A worker that dies (killed, out of memory, its machine lost) is noticed by
   TensorFlow's coordination service, whose heartbeats abort the others' collectives
-  within seconds (5.6-10.7 s in benchmarks/faults.py; docs/reliability.md).
+  within seconds (docs/reliability.md has the times).
   ``collective_timeout`` bounds the rest: a peer alive but stuck (a hung input pipeline,
   a deadlock) makes every collective that waits longer than it fail with
   ``DeadlineExceededError`` instead of waiting forever. It must exceed the longest

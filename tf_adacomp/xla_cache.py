@@ -6,9 +6,7 @@ worker of a multi-worker job, the next run of a script) compiles them all again.
 TensorFlow can persist compiled programs in a directory (``TF_XLA_FLAGS=
 --tf_xla_persistent_cache_directory=DIR``): a program compiled for one device is then
 loaded from that directory for the next device of the same kind and by the next
-process. ``enable`` sets that flag. Measured (2-core VM, a bucket of five 3x3 kernels,
-two logical CPUs): the second device's first call took 0.8 s instead of 4.1 s, and a
-new process's first call 3.1 s instead of 7.8 s (docs/performance.md).
+process. ``enable`` sets that flag; docs/performance.md ("Compiling") has what it saves.
 
 TensorFlow reads the flag once, when its runtime starts: ``enable`` must run before
 the first tensor, device setting, strategy or model of the process.

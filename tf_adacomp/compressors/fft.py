@@ -28,12 +28,10 @@ class FFTCompressor(base.Compressor):
   steps compressed so far and drives the theta schedule; a non-finite step changes
   neither.
 
-  Defaults: ``theta=0.9`` and an 8-bit 1+4+3 float (15 binades: spectra span a wide
-  range, and 1+3+4 flushed too much of a smooth gradient's in docs/fft.md). On a
-  512x512 Gaussian gradient they send 18.8x fewer bytes than float32 with a relative
-  error of 0.82, that of keeping 10% of white noise's coefficients (the rounding alone
-  costs 0.026); on a smooth (random-walk) gradient, 18.8x with an error of 0.023. The
-  error goes into the residue and is sent later. ``theta=0.99`` sends 188x fewer bytes.
+  Defaults: ``theta=0.9``, a moderate sparsification that error feedback carries well,
+  and an 8-bit 1+4+3 float (15 binades: spectra span a wide range, and 1+3+4 flushed too
+  much of a smooth gradient's). What is not sent goes into the residue and is sent
+  later; a higher theta sends fewer bytes. docs/fft.md has the ratios and errors.
 
   Args:
     theta: fraction in [0, 1) of the coefficients dropped (at step 0).

@@ -2,9 +2,9 @@
 
 Outside XLA, TensorFlow runs every element-wise op as its own pass over memory, with a
 materialised intermediate (``is_finite`` writes a bool tensor that ``reduce_all`` then
-reads; ``before + update`` writes a sum that ``where`` reads again). Measured on the
-5.8M-parameter MLP (docs/performance.md), these passes cost the update exchange tens of
-milliseconds per step; compiled, each is one read of its inputs.
+reads; ``before + update`` writes a sum that ``where`` reads again). On a large model
+these passes are a visible part of the update exchange's step (docs/performance.md,
+"Where the time goes"); compiled, each is one read of its inputs.
 """
 
 import tensorflow as tf
