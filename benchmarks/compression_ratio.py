@@ -9,7 +9,7 @@ FFT (its defaults), FP16 and none. Each run is the example itself in its own pro
 (its summary.json has the bytes of every variable); the ratio is dense float32 bytes /
 bytes one replica sent, averaged over the steps, everything counted.
 
-    python benchmarks/compression_ratio.py                       # both models, ~20 min
+    python benchmarks/compression_ratio.py                       # both models
     python benchmarks/compression_ratio.py --models resnet20 --steps 20
 
 Prints a table per model (per kind, then per layer) and writes out/compression_ratio.json

@@ -1,10 +1,9 @@
-"""Convergence parity (issue 15): test accuracy against steps, dense and compressed.
+"""Convergence parity: test accuracy against steps, dense and compressed.
 
 For each model, each variant and each seed, trains with ``model.fit`` under a
 MirroredStrategy over 4 logical CPU devices (4 replicas), the same data order, initial
 weights, step budget and hyper-parameters for every variant, and measures test accuracy
-on a fixed test subset every ``--eval_every`` steps. Models (small, CPU-feasible
-versions of the issue's):
+on a fixed test subset every ``--eval_every`` steps. Models (small enough for CPUs):
 
 - ``mlp``: a wide MLP (784-W-W-10, W = --width) on Fashion-MNIST, SGD 0.05 momentum 0.9;
 - ``cnn``: the Fashion-MNIST CNN of examples/fashion_mnist.py, SGD 0.05 momentum 0.9;
@@ -22,10 +21,10 @@ updates compressed), ``adacomp+updates+masking`` (and ``momentum_masking=True``)
 first). A variant whose ``CompressedOptimizer`` option does not exist in
 this version of the library is skipped with a note.
 
-    python benchmarks/convergence.py                      # every model (hours on 2 cores)
-    python benchmarks/convergence.py --models=mlp,cnn,lstm --seeds=0,1 \
-        --variants=none,adacomp,adacomp-bin,adacomp+updates,adacomp+updates+masking \
-        --steps=mlp=200,cnn=200,lstm=100 --width=512 --eval_every=20   # docs/convergence.md
+    python benchmarks/convergence.py                      # every model
+    python benchmarks/convergence.py --models=mlp,cnn \
+        --variants=none,adacomp,adacomp-bin,adacomp+updates --seeds=0,1 \
+        --steps=mlp=150,cnn=150 --width=512 --eval_every=15   # docs/convergence.md
     python benchmarks/convergence.py --models=mlp --variants=none,adacomp --seeds=0,1,2
     python benchmarks/convergence.py --models=mlp --width=256 --optimizers=mlp=adam \
         --learning_rates=mlp=0.001 --variants=none,adacomp,adacomp+updates  # MLP, Adam
@@ -33,7 +32,7 @@ this version of the library is skipped with a note.
 
 Prints, per model, the final accuracy (mean and range over seeds) and its gap to dense,
 the steps to a target accuracy relative to dense, and the compression ratio per layer
-kind; checks the issue's targets; writes JSON (--json) and a PNG of the curves (--plot).
+kind; checks the targets below; writes JSON (--json) and a PNG of the curves (--plot).
 """
 
 import argparse
@@ -58,7 +57,7 @@ MODELS = {
     "lstm": dict(steps=150, batch=64, lr=0.002, optimizer="adam", target=0.35,
                  eval_size=200),
 }
-# Issue 15's targets: final accuracy gap to dense (points), steps-to-target ratio (MLP),
+# The targets: final accuracy gap to dense (points), steps-to-target ratio (MLP),
 # compression ratio per layer kind.
 GAP_TARGETS = {"lstm": 1.0, "cnn": 0.5, "resnet20": 0.5}
 STEPS_RATIO_TARGETS = {"mlp": 1.2}
@@ -336,7 +335,7 @@ def print_table(model, s, rows):
 
 
 def check_targets(model, rows):
-  """The issue's targets for each compressed variant: ``{variant: {target: bool}}``."""
+  """The targets for each compressed variant: ``{variant: {target: bool}}``."""
   verdicts = {}
   for name, r in rows.items():
     if name in ("none", "bf16"):

@@ -12,7 +12,7 @@ exchange at all: the compute-only step (the floor). Reports per link: the step t
 the speed-up over the dense all-reduce, the ratio to the floor, and the time to
 --target_accuracy.
 
-    sudo python benchmarks/network.py                  # ~45 minutes on 2 cores
+    sudo python benchmarks/network.py                  # every model, link, compressor
     sudo python benchmarks/network.py --models mlp --rates 100mbit --compressors none,adacomp
 
 Needs root (``ip netns``). Every namespace it made is deleted at the end, on error and

@@ -12,7 +12,7 @@ summary.json holds the test accuracy and the bytes one replica sent per step):
    LEGW's longer warm-up, and LEGW (rate x sqrt(8), warm-up x 8 epochs, polynomial decay;
    You et al. 2019); the base batch run is the reference.
 
-    python benchmarks/related_techniques.py                # ~15 min on 2 CPU cores
+    python benchmarks/related_techniques.py                # both tables, seed 0
     python benchmarks/related_techniques.py --epochs 1 --tables compression
     python benchmarks/related_techniques.py --seeds 0,1,2   # each run with 3 seeds
 

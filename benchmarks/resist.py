@@ -15,7 +15,7 @@ count (MirroredStrategy over logical CPU devices):
 A round is --local_steps steps; "bytes/replica/round" is what one replica sends in it
 (data-parallel: --local_steps gradient all-reduces).
 
-    python benchmarks/resist.py                      # ~20 min on 2 CPU cores
+    python benchmarks/resist.py                      # 2 and 4 replicas, every method
     python benchmarks/resist.py --replicas 2 --epochs 1 --steps_per_epoch 50
 
 Prints the table and writes out/resist.json.

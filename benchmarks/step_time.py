@@ -9,7 +9,7 @@ timed from batch begin to batch end (its result waited for), the first --skip st
 of the same N, measured in the same run (these machines are noisy; --rounds repeats
 the whole sweep, interleaved, and takes the median ratio).
 
-    python benchmarks/step_time.py                      # CNN, N = 2 and 4, ~6 minutes
+    python benchmarks/step_time.py                      # CNN, N = 2 and 4
     python benchmarks/step_time.py --model resnet20 --replicas 4 --steps 20
 
 Target: AdaComp costs at most 1.3x the dense step. Writes out/step_time.json.
