@@ -42,6 +42,18 @@ def test_console_script_is_declared():
   assert 'tf-adacomp = "tf_adacomp.cli:main"' in (ROOT / "pyproject.toml").read_text()
 
 
+def test_every_python_block_of_the_readme_is_run():
+  """The snippets below are found by their fence: one that _python_snippets misses (another
+  tag, an indented fence) would go untested, and none at all would leave an empty
+  parametrization, which pytest skips rather than fails."""
+  fences = re.findall(r"^\s*```(\S*)\s*$", README, re.M)
+  assert len(fences) % 2 == 0, fences
+  tags = fences[0::2]  # opening fences (closing ones carry no tag)
+  assert not any(fences[1::2]), fences
+  assert set(tags) <= {"bash", "python"}, tags
+  assert len(_python_snippets()) == tags.count("python") >= 5
+
+
 @pytest.mark.parametrize("index", range(len(_python_snippets())))
 def test_python_snippet_runs(index, tmp_path):
   """Each snippet as a user would paste it: a fresh Python process, no TF_CONFIG."""
