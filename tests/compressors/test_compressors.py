@@ -47,8 +47,13 @@ def test_combined_payload_is_the_sum_over_replicas(name):
   combined = _combine(compressor, plan, payloads).numpy()
   tol = {"fp16": 2e-3, "bf16": 3e-2}.get(name, 1e-6)
   np.testing.assert_allclose(combined, np.sum(singles, 0), rtol=tol, atol=tol)
-  again = _combine(compressor, plan, payloads).numpy()
-  np.testing.assert_array_equal(combined, again)  # deterministic, bit for bit
+  if not plan.summable:
+    # Gathered payloads are decoded and added in replica order, in float32: every replica
+    # adds the same floats in the same order, and gets the same sum bit for bit.
+    in_order = singles[0]
+    for single in singles[1:]:
+      in_order = in_order + single
+    np.testing.assert_array_equal(combined, in_order)
 
 
 @pytest.mark.parametrize("name,wire,rtol", [("fp16", tf.float16, 1e-3), ("bf16", tf.bfloat16, 1e-2)])

@@ -152,7 +152,6 @@ def test_decode_of_several_replicas_is_the_sum_in_replica_order():
   np.testing.assert_allclose(total, expected, atol=1e-5)
   singles = sum(fft_decompress(p, shape, theta).numpy() for p in payloads)
   np.testing.assert_allclose(total, singles, atol=1e-5)
-  np.testing.assert_array_equal(fft_decompress(np.stack(payloads), shape, theta).numpy(), total)
   # Rows trimmed to their used words and zero-padded, as the exchange sends them.
   nbytes = fft_payload_nbytes(np.stack(payloads), 600, theta).numpy()
   trimmed = np.stack([np.where(np.arange(p.size) < b // 4, p, 0) for p, b in zip(payloads, nbytes)])
