@@ -20,6 +20,16 @@ def _run(tmp_path, worker, mode, *more_args):
   return arrays, logs
 
 
+def _final_weights(arrays):
+  """The keys of the final weights, the same in every worker's file: without any, the
+  comparisons below would loop over nothing and pass."""
+  keys = sorted(k for k in arrays[0] if k.startswith("final_"))
+  assert keys, sorted(arrays[0])
+  for other in arrays[1:]:
+    assert sorted(k for k in other if k.startswith("final_")) == keys, sorted(other)
+  return keys
+
+
 @pytest.fixture(scope="module")
 def plain_run(tmp_path_factory):
   return _run(tmp_path_factory.mktemp("plain"), "keras_fit.py", "fix")
@@ -28,7 +38,8 @@ def plain_run(tmp_path_factory):
 def test_no_compression_trains_like_the_plain_optimizer(tmp_path, plain_run):
   arrays, logs = _run(tmp_path, "compressed_fit.py", "none")
   plain_arrays, _ = plain_run
-  for key in (k for k in plain_arrays[0] if k.startswith("final_")):
+  assert _final_weights(arrays) == _final_weights(plain_arrays)
+  for key in _final_weights(plain_arrays):
     np.testing.assert_allclose(arrays[0][key], plain_arrays[0][key], rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(arrays[0][key], arrays[1][key])
   assert logs[0]["replicas"] == 2
@@ -37,7 +48,7 @@ def test_no_compression_trains_like_the_plain_optimizer(tmp_path, plain_run):
 
 def test_adacomp_over_grpc_keeps_workers_identical_and_compresses(tmp_path):
   arrays, logs = _run(tmp_path, "compressed_fit.py", "adacomp")
-  for key in (k for k in arrays[0] if k.startswith("final_")):
+  for key in _final_weights(arrays):
     np.testing.assert_array_equal(arrays[0][key], arrays[1][key])
   residues = [k for k in arrays[0] if k.startswith("residue_")]
   assert residues
@@ -51,7 +62,7 @@ def test_adacomp_over_grpc_keeps_workers_identical_and_compresses(tmp_path):
 
 def test_adacomp_with_adasum_of_deltas_over_grpc(tmp_path):
   arrays, logs = _run(tmp_path, "compressed_fit.py", "adacomp", "adasum", "delta")
-  for key in (k for k in arrays[0] if k.startswith("final_")):
+  for key in _final_weights(arrays):
     np.testing.assert_array_equal(arrays[0][key], arrays[1][key])
   for log in logs:
     losses = log["history"]["loss"]
