@@ -19,6 +19,12 @@ def test_two_workers_train_sub_resnets_and_leave_every_exchange_identical(tmp_pa
   assert logs[0]["partitions"] == logs[1]["partitions"]  # dealt apart, the same
   assert len(logs[0]["partitions"]) == 3
   assert sorted(weights[0].files) == sorted(weights[1].files)
+  # What the worker recorded at each of the 3 exchanges (the loop below checks nothing
+  # if its recorder stopped being called): the drifted stem before, every weight after.
+  assert sorted(n for n in weights[0].files if n.startswith("before")) == [
+      f"before{r}_stem" for r in range(3)]
+  assert {n.split("_")[0] for n in weights[0].files if n.startswith("round")} == {
+      f"round{r}" for r in range(3)}
   for name in weights[0].files:
     if name.startswith("before"):  # trained apart: each worker's copy drifted its own way
       assert not np.array_equal(weights[0][name], weights[1][name]), name
