@@ -22,14 +22,14 @@ tf.config.set_logical_device_configuration(
 @pytest.fixture
 def unpatched_keras():
   """Keras as installed for the test, and as it was again afterwards (the multi-worker fix
-  of tf_adacomp.keras_fixes reverted around the test)."""
-  from tf_adacomp import keras_fixes  # pylint: disable=g-import-not-at-top
-  was_applied = keras_fixes.keras_multi_worker_fix_applied()
-  keras_fixes.revert_keras_multi_worker_fix()
+  of tf_adacomp.compat.keras_multi_worker reverted around the test)."""
+  from tf_adacomp.compat import keras_multi_worker  # pylint: disable=g-import-not-at-top
+  was_applied = keras_multi_worker.keras_multi_worker_fix_applied()
+  keras_multi_worker.revert_keras_multi_worker_fix()
   yield
-  keras_fixes.revert_keras_multi_worker_fix()
+  keras_multi_worker.revert_keras_multi_worker_fix()
   if was_applied:
-    keras_fixes.apply_keras_multi_worker_fix()
+    keras_multi_worker.apply_keras_multi_worker_fix()
 
 
 # XLA:CPU maps about three memory regions per compiled kernel (code, constants, data)

@@ -1,9 +1,7 @@
-"""Strategy helpers and the Keras multi-worker fix (keras-team/keras#20585).
+"""Strategy helpers, and the harness that starts worker processes (tests/multi_worker.py).
 
-The multi-worker tests start 2 worker processes on 127.0.0.1 (tests/multi_worker.py)
-that train with ``model.fit`` under ``MultiWorkerMirroredStrategy``: with the fix they
-train, agree bit for bit and match one process training on the same global batches;
-without it (or with only half of it) they fail with the upstream errors.
+The Keras multi-worker fix that ``multi_worker_strategy`` applies is tested with its
+code, in tests/compat/test_keras_multi_worker.py.
 """
 
 import json
@@ -12,20 +10,12 @@ import subprocess
 import sys
 import textwrap
 
-import keras
-import numpy as np
 import pytest
 import tensorflow as tf
-from keras.src.backend.tensorflow import trainer as keras_trainer
 
-from multi_worker import PROJECT_ROOT, WORKERS_DIR, describe, run_workers
-from tf_adacomp import distribute, internals, keras_fixes
-from workers import keras_fit
-
-KERAS_FIT_WORKER = WORKERS_DIR / "keras_fit.py"
-NUM_WORKERS = 2
-
-
+from multi_worker import PROJECT_ROOT, describe, run_workers
+from tf_adacomp import distribute
+from tf_adacomp.compat import internals
 
 
 # ---------------------------------------------------------------------------------------
@@ -317,187 +307,6 @@ def test_tf_config():
 def test_tf_config_bad_arguments(addresses, index, error, message):
   with pytest.raises(error, match=message):
     distribute.tf_config(addresses, index)
-
-
-# ---------------------------------------------------------------------------------------
-# The Keras fix, in process: guard, idempotence, no-op for other strategies
-
-def test_fix_is_needed_by_the_installed_keras():
-  """Keras 3.15 (requirements.txt) still has both failing calls: both patches are needed.
-  (The skips of the control runs below depend on this being right.)"""
-  if keras_fixes._keras_version() < (3, 0):  # pylint: disable=protected-access
-    pytest.skip("Keras 2")
-  assert keras_fixes.keras_multi_worker_fix_needed() == keras_fixes.PATCHES
-
-
-def test_fix_is_idempotent_and_revertible(unpatched_keras):
-  originals = (keras_trainer.TensorFlowTrainer._maybe_symbolic_build,  # pylint: disable=protected-access
-               keras_trainer.reduce_per_replica)
-  needed = keras_fixes.keras_multi_worker_fix_needed()
-  assert keras_fixes.apply_keras_multi_worker_fix() == needed
-  patched = (keras_trainer.TensorFlowTrainer._maybe_symbolic_build,  # pylint: disable=protected-access
-             keras_trainer.reduce_per_replica)
-  assert keras_fixes.apply_keras_multi_worker_fix() == needed  # twice: patched once
-  assert (keras_trainer.TensorFlowTrainer._maybe_symbolic_build,  # pylint: disable=protected-access
-          keras_trainer.reduce_per_replica) == patched
-  assert keras_fixes.keras_multi_worker_fix_needed() == needed  # judged on the originals
-  if needed:
-    assert patched != originals
-    assert keras_fixes.keras_multi_worker_fix_applied()
-  assert keras_fixes.revert_keras_multi_worker_fix() == needed
-  assert (keras_trainer.TensorFlowTrainer._maybe_symbolic_build,  # pylint: disable=protected-access
-          keras_trainer.reduce_per_replica) == originals
-  assert not keras_fixes.keras_multi_worker_fix_applied()
-
-
-def test_fix_skips_keras_2(unpatched_keras, monkeypatch):
-  monkeypatch.setattr(keras, "__version__", "2.15.0")
-  assert keras_fixes.keras_multi_worker_fix_needed() == ()
-  assert keras_fixes.apply_keras_multi_worker_fix() == ()
-  assert not keras_fixes.keras_multi_worker_fix_applied()
-
-
-def test_fix_skips_a_path_fixed_upstream(unpatched_keras, monkeypatch):
-  def reduce_per_replica(values, strategy, reduction):  # as if fixed upstream
-    return values
-  monkeypatch.setattr(keras_trainer, "reduce_per_replica", reduce_per_replica)
-  assert keras_fixes.REDUCE_PER_REPLICA not in keras_fixes.keras_multi_worker_fix_needed()
-  assert keras_fixes.REDUCE_PER_REPLICA not in keras_fixes.apply_keras_multi_worker_fix()
-  assert keras_trainer.reduce_per_replica is reduce_per_replica
-
-
-def _fit_tiny_model(strategy, initial_weights):
-  rng = np.random.default_rng(1)
-  x = rng.normal(size=(96, 5)).astype(np.float32)
-  y = rng.integers(0, 3, size=96).astype(np.int32)
-  dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
-  with strategy.scope():
-    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"),
-                              keras.layers.Dense(3)])
-    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-  if initial_weights is not None:
-    model.set_weights(initial_weights)
-  initial = model.get_weights()
-  history = model.fit(dataset, epochs=2, shuffle=False, verbose=0).history
-  evaluation = model.evaluate(dataset, verbose=0, return_dict=True)
-  predictions = model.predict(dataset, verbose=0)
-  return initial, model.get_weights(), history, evaluation, predictions
-
-
-@pytest.mark.parametrize("kind", ["mirrored", "default"])
-def test_fix_is_a_no_op_without_multi_worker(unpatched_keras, kind):
-  def make_strategy():
-    if kind == "mirrored":  # a plain MirroredStrategy with collective keys of its own
-      return distribute.mirrored_strategy(devices=_cpus())
-    return tf.distribute.get_strategy()
-
-  initial, *before = _fit_tiny_model(make_strategy(), None)
-  keras_fixes.apply_keras_multi_worker_fix()
-  assert keras_fixes.keras_multi_worker_fix_applied()
-  _, *after = _fit_tiny_model(make_strategy(), initial)
-  weights_before, history_before, evaluation_before, predictions_before = before
-  weights_after, history_after, evaluation_after, predictions_after = after
-  for b, a in zip(weights_before, weights_after):
-    np.testing.assert_array_equal(a, b)
-  assert history_after == history_before
-  assert evaluation_after == evaluation_before
-  np.testing.assert_array_equal(predictions_after, predictions_before)
-
-
-@pytest.mark.parametrize("reduction", ["auto", "mean", "sum", "first", "concat"])
-def test_patched_reduce_per_replica_is_the_original_under_mirrored(unpatched_keras, reduction):
-  original = keras_trainer.reduce_per_replica
-  if keras_fixes.REDUCE_PER_REPLICA not in keras_fixes.apply_keras_multi_worker_fix():
-    pytest.skip("reduce_per_replica needs no patch in this Keras")
-  patched = keras_trainer.reduce_per_replica
-  assert patched is not original
-  strategy = distribute.mirrored_strategy(devices=_cpus())
-  values = {
-      "loss": strategy.experimental_distribute_values_from_function(
-          lambda ctx: tf.constant(1.5 * ctx.replica_id_in_sync_group + 0.25)),
-      "vector": strategy.experimental_distribute_values_from_function(
-          lambda ctx: tf.range(3, dtype=tf.float32) * float(ctx.replica_id_in_sync_group + 1)),
-      "plain": tf.constant(7.0),
-  }
-  expected = original(values, strategy, reduction)
-  got = patched(values, strategy, reduction)
-  for key in values:
-    np.testing.assert_array_equal(got[key], expected[key])
-
-
-# ---------------------------------------------------------------------------------------
-# The Keras fix, 2 worker processes
-
-def _run_keras_fit(mode, out_dir):
-  return run_workers(KERAS_FIT_WORKER, num_workers=NUM_WORKERS, timeout=120, args=[mode],
-                     out_dir=out_dir)
-
-
-def test_keras_fit_multi_worker_with_fix(tmp_path):
-  results = _run_keras_fit("fix", tmp_path)
-  assert all(r.returncode == 0 for r in results), describe(results)
-  reports = [json.loads((tmp_path / f"worker{i}.json").read_text()) for i in range(NUM_WORKERS)]
-  arrays = [dict(np.load(tmp_path / f"worker{i}.npz")) for i in range(NUM_WORKERS)]
-
-  for report in reports:
-    assert report["replicas"] == NUM_WORKERS
-    assert report["patches"] == list(keras_fixes.keras_multi_worker_fix_needed())
-  # It trains: the loss falls, epoch after epoch and at the final evaluation.
-  history = reports[0]["history"]
-  assert history["loss"][1] < history["loss"][0] - 0.1, history
-  assert reports[0]["evaluation"]["loss"] < history["loss"][0] - 0.2, reports[0]
-  # The workers agree bit for bit: logs (all-reduced) and weights.
-  for report in reports[1:]:
-    assert report["history"] == reports[0]["history"]
-    assert report["evaluation"] == reports[0]["evaluation"]
-  assert sorted(arrays[0]) == sorted(arrays[1])
-  for key in arrays[0]:
-    np.testing.assert_array_equal(arrays[1][key], arrays[0][key], err_msg=key)
-  count = len(arrays[0]) // 2
-  initial = [arrays[0][f"initial_{i}"] for i in range(count)]
-  final = [arrays[0][f"final_{i}"] for i in range(count)]
-  assert any(not np.array_equal(a, b) for a, b in zip(initial, final))
-
-  # And they computed what one process computes on the same global batches of 64.
-  model = keras_fit.make_model()
-  model.set_weights(initial)
-  reference_history, reference_evaluation = keras_fit.fit(model, *keras_fit.load_digits())
-  for got, want in zip(final, model.get_weights()):
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-  np.testing.assert_allclose(history["loss"], reference_history["loss"], rtol=1e-4)
-  np.testing.assert_allclose(history["accuracy"], reference_history["accuracy"], atol=1e-6)
-  np.testing.assert_allclose(reports[0]["evaluation"]["loss"], reference_evaluation["loss"],
-                             rtol=1e-4)
-
-
-def _skip_unless_needed(patch):
-  if patch not in keras_fixes.keras_multi_worker_fix_needed():
-    pytest.skip(f"the installed Keras {keras.__version__} does not have this bug")
-
-
-def test_keras_fit_multi_worker_without_fix_fails_upstream(tmp_path):
-  """The control run: upstream Keras fails in fit's symbolic build."""
-  _skip_unless_needed(keras_fixes.SYMBOLIC_BUILD)
-  results = _run_keras_fit("none", tmp_path)
-  for r in results:
-    assert r.returncode != 0, describe(results)
-    assert "ValueError: Attempt to convert a value (PerReplica" in r.stderr, describe(results)
-    assert "unsupported type (<class 'tensorflow.python.distribute.values.PerReplica'>) " \
-           "to a Tensor" in r.stderr, describe(results)
-  assert not list(tmp_path.glob("worker*.npz"))
-
-
-def test_keras_fit_multi_worker_needs_both_patches(tmp_path):
-  """With the symbolic build fixed only, the scalar logs' MEAN along axis 0 fails."""
-  _skip_unless_needed(keras_fixes.REDUCE_PER_REPLICA)
-  results = _run_keras_fit("symbolic-build-only", tmp_path)
-  for r in results:
-    assert r.returncode != 0, describe(results)
-    assert "Invalid reduction dimension 0 for input with 0 dimensions" in r.stderr, \
-        describe(results)
-  assert not list(tmp_path.glob("worker*.npz"))
 
 
 # ---------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ from tf_adacomp.compressors import get_compressor
 from tf_adacomp.compressors import register as register_compressor
 from tf_adacomp.compressors import serialize as serialize_compressor
 
-__version__ = "0.1.0"
+from tf_adacomp._version import __version__
 
 __all__ = [
     "AdaComp",

@@ -30,7 +30,7 @@ import tempfile
 import keras
 import tensorflow as tf
 
-from tf_adacomp import internals
+from tf_adacomp.compat import internals
 from tf_adacomp.ops import checks
 
 WEIGHTS_FILE = "latest.weights.h5"  # Keras' names, so either callback can read the other's

@@ -3,8 +3,8 @@
 import keras
 import tensorflow as tf
 
-from tf_adacomp import internals
 from tf_adacomp import stats
+from tf_adacomp.compat import internals
 from tf_adacomp.cross_device_ops import CompressedAllReduce
 from tf_adacomp.optimizer import CompressedOptimizer
 

@@ -51,8 +51,8 @@ from tensorflow.python.ops import resource_variable_ops
 
 from tf_adacomp import compile_log
 from tf_adacomp import exchange as exchange_lib
-from tf_adacomp import internals
 from tf_adacomp import stats
+from tf_adacomp.compat import internals
 from tf_adacomp.compressors import registry
 from tf_adacomp.ops import checks
 from tf_adacomp.ops import fused

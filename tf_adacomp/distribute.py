@@ -6,7 +6,8 @@
   compressed gradients (``tf_adacomp.cross_device_ops.CompressedAllReduce``); every
   strategy it builds has collective keys of its own (see ``mirrored_strategy``);
 - ``multi_worker_strategy()``: ``MultiWorkerMirroredStrategy`` from ``TF_CONFIG``, with
-  the Keras fix that makes ``model.fit`` work under it (``tf_adacomp.keras_fixes``);
+  the Keras fix that makes ``model.fit`` work under it
+  (``tf_adacomp.compat.keras_multi_worker``);
   ``TF_CONFIG`` is checked first, and the workers compare their clusters once;
 - ``tf_config(addresses, index)``: the ``TF_CONFIG`` of one worker of a cluster.
 
@@ -22,9 +23,10 @@ from typing import List, Optional, Sequence
 
 import tensorflow as tf
 
-from tf_adacomp import internals
+from tf_adacomp.compat import internals
+from tf_adacomp.compat.keras_multi_worker import apply_keras_multi_worker_fix
 from tf_adacomp.compressors import get_compressor
-from tf_adacomp.keras_fixes import apply_keras_multi_worker_fix
+from tf_adacomp.cross_device_ops import CompressedAllReduce
 from tf_adacomp.ops import checks
 
 __all__ = ["mirrored_strategy", "multi_worker_strategy", "split_logical_devices", "tf_config"]
@@ -124,7 +126,7 @@ def mirrored_strategy(compressor=None, devices: Optional[Sequence[str]] = None,
   process: after one strategy has trained a model, a second one over the same devices
   training a model of another size fails with "Shape mismatch in the collective
   instance 100", and aborts the collectives of the process. (The range is set through
-  ``MirroredStrategy._collective_key_base``, on the instance only: see ``internals``.)
+  ``MirroredStrategy._collective_key_base``, on the instance only: see ``compat.internals``.)
 
   Returns:
     ``tf.distribute.MirroredStrategy(devices)`` without a compressor; with one,
@@ -157,8 +159,6 @@ def mirrored_strategy(compressor=None, devices: Optional[Sequence[str]] = None,
     return _new_mirrored_strategy(devices)
 
   compressor = get_compressor(compressor, **compressor_kwargs)
-  # Imported here: the cross-device ops module pulls in the collectives only when needed.
-  from tf_adacomp.cross_device_ops import CompressedAllReduce  # pylint: disable=g-import-not-at-top
   return _new_mirrored_strategy(devices, CompressedAllReduce(compressor))
 
 
@@ -187,7 +187,7 @@ def multi_worker_strategy(num_workers: Optional[int] = None,
                           ) -> tf.distribute.MultiWorkerMirroredStrategy:
   """A ``MultiWorkerMirroredStrategy`` (gRPC, cluster from ``TF_CONFIG``), Keras-ready.
 
-  Applies ``tf_adacomp.keras_fixes.apply_keras_multi_worker_fix()`` so that Keras 3
+  Applies the Keras fix of ``tf_adacomp.compat.keras_multi_worker`` so that Keras 3
   ``model.fit``/``evaluate`` work under it. Must run before TensorFlow initialises its
   devices. Gradient compression under this strategy goes through
   ``tf_adacomp.CompressedOptimizer``: its cross-device ops cannot be replaced.

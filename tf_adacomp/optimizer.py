@@ -52,9 +52,9 @@ import tensorflow as tf
 
 from tf_adacomp import compile_log
 from tf_adacomp import exchange as exchange_lib
-from tf_adacomp import keras_fixes
-from tf_adacomp import loss_scale
 from tf_adacomp import stats
+from tf_adacomp.compat import keras_multi_worker
+from tf_adacomp.compat import loss_scale
 from tf_adacomp.compressors import registry
 from tf_adacomp.ops import checks
 from tf_adacomp.ops import fused
@@ -114,7 +114,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
   inner))``, as ``model.compile`` does under that policy (the other order is refused,
   below). Keras' ``LossScaleOptimizer`` checks only each replica's own gradients, and in
   Keras 3 they are not all-reduced before ``apply``; creating a ``CompressedOptimizer``
-  therefore installs ``tf_adacomp.loss_scale.apply_loss_scale_fix``: a loss scale
+  therefore installs ``tf_adacomp.compat.loss_scale.apply_loss_scale_fix``: a loss scale
   optimizer around this wrapper all-reduces its "not finite" flag, so that an overflow
   on any one replica lowers the loss scale on every replica and skips the step
   everywhere (weights, residues, the inner optimizer's slots and ``iterations``
@@ -214,9 +214,9 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     local_clipnorm = _check_local_clipnorm(local_clipnorm)
     compressor = registry.get_compressor(compressor)
     _check_momentum_masking(momentum_masking, exchange, inner_optimizer, compressor)
-    # Keras 3 model.fit needs a fix under MultiWorkerMirroredStrategy (keras#20585):
+    # Keras 3 model.fit needs a fix under multi-worker MultiWorkerMirroredStrategy:
     # applied here and in build(), so that the standard strategy constructor just works.
-    keras_fixes.apply_keras_multi_worker_fix_for(tf.distribute.get_strategy())
+    keras_multi_worker.apply_keras_multi_worker_fix_for(tf.distribute.get_strategy())
     # A LossScaleOptimizer around this one must see an overflow on any replica, not only
     # on the first (keras' check is per replica): patched once, other optimizers untouched.
     loss_scale.apply_loss_scale_fix()
@@ -230,6 +230,11 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     self.exchange = exchange
     self.momentum_masking = momentum_masking
     self.local_clipnorm = local_clipnorm
+
+  # A LossScaleOptimizer around this one decides whether a step is finite over all
+  # replicas (compat.loss_scale reads this marker): apply runs a collective, which every
+  # replica must reach or skip together.
+  agree_on_finite_across_replicas = True
 
   # Keras' base settings that the inner optimizer applies: read and set on the wrapper,
   # they are the inner optimizer's (tests/test_optimizer_dropin.py).
@@ -247,7 +252,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
   # --- Variables -------------------------------------------------------------------
 
   def build(self, var_list):
-    keras_fixes.apply_keras_multi_worker_fix_for(self._distribution_strategy)
+    keras_multi_worker.apply_keras_multi_worker_fix_for(self._distribution_strategy)
     self.plans = [self.compressor.plan(v.shape, v.dtype, _variable_path(v)) for v in var_list]
     self.residues = []
     for variable, plan in zip(var_list, self.plans):

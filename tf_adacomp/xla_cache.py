@@ -20,7 +20,7 @@ import os
 
 import tensorflow as tf
 
-from tf_adacomp import internals
+from tf_adacomp.compat import internals
 
 FLAG = "--tf_xla_persistent_cache_directory"
 ENVIRONMENT = "TF_XLA_FLAGS"

@@ -2,13 +2,14 @@
 
 Usage: ``keras_fit.py MODE`` with MODE one of
   - ``fix``: the strategy from ``tf_adacomp.distribute.multi_worker_strategy()``, which
-    applies ``tf_adacomp.keras_fixes.apply_keras_multi_worker_fix()``;
+    applies ``tf_adacomp.compat.keras_multi_worker.apply_keras_multi_worker_fix()``;
   - ``none``: a plain ``tf.distribute.MultiWorkerMirroredStrategy()``, upstream Keras;
   - ``symbolic-build-only``: only the first of the two patches.
 
 A small MLP learns scikit-learn's handwritten digits (global batch 64, SGD, 2 epochs of
 5 steps), then evaluates. Writes to ``$MULTI_WORKER_OUT_DIR``: ``worker{i}.npz`` (initial
-and final weights) and ``worker{i}.json`` (patches, history, evaluation). The test
+and final weights) and ``worker{i}.json`` (patches, history, evaluation, and what the
+private names of ``tf_adacomp.compat`` that only a cluster exercises gave). The test
 imports ``make_model`` / ``make_dataset`` / ``fit`` to train the same model in one process
 as a reference.
 """
@@ -62,7 +63,9 @@ def fit(model, x, y):
 
 def main():
   from multi_worker import worker_index, worker_out_dir  # pylint: disable=g-import-not-at-top
-  from tf_adacomp import keras_fixes  # pylint: disable=g-import-not-at-top
+  from tf_adacomp.compat import internals  # pylint: disable=g-import-not-at-top
+  from tf_adacomp.compat import keras_multi_worker  # pylint: disable=g-import-not-at-top
+  from tf_adacomp.compat import patches as compat_patches  # pylint: disable=g-import-not-at-top
   from tf_adacomp.distribute import multi_worker_strategy  # pylint: disable=g-import-not-at-top
 
   mode = sys.argv[1]
@@ -71,18 +74,25 @@ def main():
   elif mode == "none":
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
   elif mode == "symbolic-build-only":
-    keras_fixes._apply([keras_fixes.SYMBOLIC_BUILD])  # pylint: disable=protected-access
+    compat_patches.install(keras_multi_worker.SYMBOLIC_BUILD)
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
   else:
     raise SystemExit(f"unknown mode {mode!r}")
   index = worker_index()
-  patches = [name for name in keras_fixes.PATCHES if name in keras_fixes._ORIGINALS]  # pylint: disable=protected-access
+  patches = [name for name in keras_multi_worker.PATCHES if compat_patches.applied(name)]
+  trainer = internals.keras_tensorflow_trainer()
+  private = {  # the canaries of tests/compat/test_keras_multi_worker.py read these
+      "in_multi_worker_mode": internals.in_multi_worker_mode(strategy),
+      "collective_all_reduce_multi_worker":
+          trainer._collective_all_reduce_multi_worker(strategy),  # pylint: disable=protected-access
+  }
   print(f"worker {index}: {strategy.num_replicas_in_sync} replicas, patches {patches}", flush=True)
 
   keras.utils.set_random_seed(0)
   x, y = load_digits()
   with strategy.scope():
     model = make_model()
+  private["own_distribute_strategy"] = internals.own_distribute_strategy(model) is strategy
   initial = [w.copy() for w in model.get_weights()]
   history, evaluation = fit(model, x, y)
   out = worker_out_dir()
@@ -91,7 +101,7 @@ def main():
            **{f"final_{i}": w for i, w in enumerate(model.get_weights())})
   with open(out / f"worker{index}.json", "w") as f:
     json.dump({"patches": patches, "replicas": strategy.num_replicas_in_sync,
-               "history": history, "evaluation": evaluation}, f)
+               "history": history, "evaluation": evaluation, "private": private}, f)
   print(f"worker {index}: history {history}, evaluation {evaluation}", flush=True)
 
 

@@ -19,10 +19,10 @@ import keras_fit  # the same model, data and steps as the other multi-worker run
 def main():
   from multi_worker import worker_index, worker_out_dir  # pylint: disable=g-import-not-at-top
   import tf_adacomp  # pylint: disable=g-import-not-at-top
-  from tf_adacomp import keras_fixes  # pylint: disable=g-import-not-at-top
+  from tf_adacomp.compat import keras_multi_worker  # pylint: disable=g-import-not-at-top
 
   strategy = tf.distribute.MultiWorkerMirroredStrategy()
-  before = keras_fixes.keras_multi_worker_fix_applied()
+  before = keras_multi_worker.keras_multi_worker_fix_applied()
   keras.utils.set_random_seed(0)
   x, y = keras_fit.load_digits()
   with strategy.scope():
@@ -37,7 +37,7 @@ def main():
   np.savez(out / f"worker{index}.npz", *model.get_weights())
   with open(out / f"worker{index}.json", "w") as f:
     json.dump({"fix_applied_before": before,
-               "fix_applied_after": keras_fixes.keras_multi_worker_fix_applied(),
+               "fix_applied_after": keras_multi_worker.keras_multi_worker_fix_applied(),
                "history": history, "evaluation": evaluation,
                "steps": int(model.optimizer.iterations.numpy())}, f)
 

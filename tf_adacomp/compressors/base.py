@@ -17,11 +17,13 @@ How payloads of several replicas combine is explicit, per tensor, in ``plan.summ
 
 import abc
 import dataclasses
+import inspect
 import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
+from tf_adacomp import _version
 from tf_adacomp.ops import checks
 
 State = Tuple[tf.Tensor, ...]
@@ -258,11 +260,10 @@ class Compressor(abc.ABC):
         does not take (a newer tf_adacomp's), naming the config and the installed
         version.
     """
-    from tf_adacomp.compressors import registry  # avoid an import cycle at module load
     if not isinstance(config, dict):
       raise ValueError(f"A {cls.__name__} config must be a dict of constructor arguments. "
                        f"Received: config={config!r}")
-    registry.check_config_keys(cls, config, f"Received: config={config!r}")
+    check_config_keys(cls, config, f"Received: config={config!r}")
     return cls(**config)
 
   def __repr__(self):
@@ -274,6 +275,36 @@ class Compressor(abc.ABC):
 
   def __hash__(self):
     return hash((type(self), repr(self)))
+
+
+def check_config_keys(cls: type, config: Dict[str, Any], received: str) -> None:
+  """Refuses ``config`` keys that ``cls``'s constructor does not take.
+
+  A key no constructor of this release knows comes from a newer release (or a
+  misspelling): building without it would silently change the compressor.
+
+  Args:
+    cls: a ``Compressor`` subclass.
+    config: its constructor arguments, from a saved config.
+    received: the "Received: ..." part of the error.
+
+  Raises:
+    ValueError: keys the constructor does not take, naming them and the installed
+      tf_adacomp.
+  """
+  parameters = inspect.signature(cls.__init__).parameters.values()
+  if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+    return  # takes any keyword: the constructor checks for itself
+  known = {p.name for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                    inspect.Parameter.KEYWORD_ONLY)}
+  known.discard("self")
+  unknown = sorted(set(config) - known, key=str)
+  if unknown:
+    raise ValueError(
+        f"The {cls.__name__} config has argument(s) {unknown} that the installed "
+        f"tf_adacomp {_version.__version__} does not know (it takes "
+        f"{', '.join(sorted(known))}): the config may come from a newer tf_adacomp. "
+        f"{received}")
 
 
 def match_override(overrides: Optional[Dict[str, Any]], name: str):

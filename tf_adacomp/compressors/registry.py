@@ -9,8 +9,10 @@ naming the config and the installed tf_adacomp, rather than train with a compres
 other than the one saved.
 """
 
-import inspect
 from typing import Any, Callable, Dict
+
+from tf_adacomp import _version
+from tf_adacomp.compressors import base
 
 # The version of the config format ``serialize`` writes and the newest one read here.
 FORMAT_VERSION = 1
@@ -55,8 +57,6 @@ def get_compressor(identifier: Any = "none", **kwargs):
       or with constructor arguments this release does not know (a newer release's);
       kwargs given with an instance.
   """
-  from tf_adacomp.compressors import base  # avoid an import cycle at module load
-
   if identifier is None:
     identifier = "none"
   if isinstance(identifier, base.Compressor):
@@ -80,12 +80,6 @@ def serialize(compressor) -> Dict[str, Any]:
           "version": FORMAT_VERSION}
 
 
-def installed_version() -> str:
-  """The installed tf_adacomp's version, for errors about configs of other releases."""
-  import tf_adacomp  # pylint: disable=g-import-not-at-top  (loaded by now; avoids a cycle)
-  return getattr(tf_adacomp, "__version__", "unknown")
-
-
 def _check_config(identifier: Dict[str, Any]) -> None:
   """Checks a ``serialize`` dict: its keys, format version, name and config keys.
 
@@ -96,7 +90,7 @@ def _check_config(identifier: Dict[str, Any]) -> None:
   if not {"name", "config"} <= set(identifier) or not set(identifier) <= set(_CONFIG_KEYS):
     unknown = sorted(set(identifier) - set(_CONFIG_KEYS), key=str)
     newer = (f" Keys {unknown} may come from a newer tf_adacomp (installed: "
-             f"{installed_version()})." if unknown else "")
+             f"{_version.__version__})." if unknown else "")
     raise ValueError(f"A compressor config is a dict with keys 'name', 'config' and "
                      f"optionally 'version'.{newer} {received}")
   version = identifier.get("version", 1)
@@ -105,7 +99,7 @@ def _check_config(identifier: Dict[str, Any]) -> None:
   if version > FORMAT_VERSION:
     raise ValueError(
         f"This compressor config has format version {version}, written by a newer "
-        f"tf_adacomp; the installed tf_adacomp {installed_version()} reads versions up "
+        f"tf_adacomp; the installed tf_adacomp {_version.__version__} reads versions up "
         f"to {FORMAT_VERSION}. Upgrade tf_adacomp to load it. {received}")
   name, config = identifier["name"], identifier["config"]
   if not isinstance(config, dict):
@@ -113,34 +107,4 @@ def _check_config(identifier: Dict[str, Any]) -> None:
                      f"arguments. {received}")
   if not isinstance(name, str) or name.lower() not in _REGISTRY:
     raise ValueError(f"Unknown compressor. {received}; known names: {', '.join(available())}")
-  check_config_keys(_REGISTRY[name.lower()], config, received)
-
-
-def check_config_keys(cls: type, config: Dict[str, Any], received: str) -> None:
-  """Refuses ``config`` keys that ``cls``'s constructor does not take.
-
-  A key no constructor of this release knows comes from a newer release (or a
-  misspelling): building without it would silently change the compressor.
-
-  Args:
-    cls: a ``Compressor`` subclass.
-    config: its constructor arguments, from a saved config.
-    received: the "Received: ..." part of the error.
-
-  Raises:
-    ValueError: keys the constructor does not take, naming them and the installed
-      tf_adacomp.
-  """
-  parameters = inspect.signature(cls.__init__).parameters.values()
-  if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-    return  # takes any keyword: the constructor checks for itself
-  known = {p.name for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                                    inspect.Parameter.KEYWORD_ONLY)}
-  known.discard("self")
-  unknown = sorted(set(config) - known, key=str)
-  if unknown:
-    raise ValueError(
-        f"The {cls.__name__} config has argument(s) {unknown} that the installed "
-        f"tf_adacomp {installed_version()} does not know (it takes "
-        f"{', '.join(sorted(known))}): the config may come from a newer tf_adacomp. "
-        f"{received}")
+  base.check_config_keys(_REGISTRY[name.lower()], config, received)

@@ -24,7 +24,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_adacomp import internals
+from tf_adacomp.compat import internals
 from tf_adacomp.ops import checks
 
 STAGE_WIDTHS = (1, 2, 4)

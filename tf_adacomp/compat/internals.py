@@ -1,32 +1,31 @@
-"""Every private Keras and TensorFlow name tf_adacomp relies on, in one place.
+"""Accessors of the private Keras and TensorFlow names tf_adacomp relies on.
 
-Tested with TensorFlow 2.21.0 and Keras 3.15.1 (TensorFlow backend).
-``tests/test_internals.py`` holds one test per name below: when an upgrade removes or
-renames one, that test fails naming it and the installed versions.
+Where a public route exists the package takes it (``optimizer.learning_rate`` in
+``resist/sync.py``, ``keras.tree`` in ``compat.keras_multi_worker``). Where none does,
+the access goes through one small function of this module, so that an upstream rename
+is fixed here once, and ``tests/compat/test_internals.py`` holds a canary per name that
+uses the real attribute the way the package does and fails naming it and the installed
+versions (``compat.versions``).
 
-Where a public route exists the package uses it (``optimizer.learning_rate`` in
-``resist/sync.py``, ``keras.tree`` in ``keras_fixes.py``). Where none does, the access
-goes through a small accessor of this module, so that a change upstream is fixed here
-once; the names used in modules with other owners are listed with their place.
-
-Accessors of this module
-------------------------
-- ``cross_device_ops_of(strategy)``: ``strategy.extended._cross_device_ops`` (the
-  ``CrossDeviceOps`` a ``MirroredStrategy`` reduces with; TF has no public getter).
-  Used by ``callbacks.CompressionStats`` (finding a ``CompressedAllReduce``) and
-  ``CompressedAllReduce.of`` (the one to add to a checkpoint).
+Accessors
+---------
+- ``cross_device_ops_of(strategy)``: ``strategy.extended._cross_device_ops``, the
+  ``CrossDeviceOps`` a ``MirroredStrategy`` reduces with (TensorFlow has no public
+  getter). Used by ``callbacks.CompressionStats`` (to find a ``CompressedAllReduce``)
+  and ``CompressedAllReduce.of`` (the one to add to a checkpoint).
 - ``set_collective_key_base(strategy, base)``: ``MirroredStrategy._collective_key_base``,
   read by ``MirroredExtended.__init__``, set on one instance before ``__init__``. Used by
   ``distribute.mirrored_strategy`` (collective keys of its own per strategy).
 - ``flatten_layers(model)``: ``keras.Layer._flatten_layers(include_self, recursive)``,
   every nested layer, not only ``model.layers``. Used by ``resist.model.partitionable_blocks``.
 - ``in_multi_worker_mode(strategy)``: ``strategy.extended._in_multi_worker_mode()`` of
-  ``CollectiveAllReduceExtended``. Used by ``keras_fixes`` when Keras lacks its own
+  ``CollectiveAllReduceExtended``. Used by ``backup.BackupAndRestore`` and by
+  ``compat.keras_multi_worker`` when Keras lacks its own
   ``_collective_all_reduce_multi_worker``.
 - ``own_distribute_strategy(model)``: ``TensorFlowTrainer._distribute_strategy`` (None
   when the model was not made under a strategy scope; the public
   ``distribute_strategy`` falls back to the current strategy instead). Used by
-  ``keras_fixes`` (the wrapped ``_maybe_symbolic_build``).
+  ``compat.keras_multi_worker`` (the wrapped ``_maybe_symbolic_build``).
 - ``eager_context_initialized()``: ``tensorflow.python.eager.context.context()._initialized``
   (whether TensorFlow's runtime has started, after which it no longer reads
   ``TF_XLA_FLAGS``). Used by ``xla_cache.enable``.
@@ -35,11 +34,13 @@ Accessors of this module
   way; there is no public route). Used by ``backup.BackupAndRestore``.
 - ``keras_tensorflow_trainer()``: the module ``keras.src.backend.tensorflow.trainer``,
   with ``TensorFlowTrainer._maybe_symbolic_build``, ``reduce_per_replica`` and
-  ``_collective_all_reduce_multi_worker``: the functions ``keras_fixes`` wraps
-  (keras-team/keras#20585).
+  ``_collective_all_reduce_multi_worker``: what ``compat.keras_multi_worker`` patches.
 
-Names used in place (modules owned elsewhere)
----------------------------------------------
+Names used in place
+-------------------
+Modules whose whole purpose is to extend a framework class keep its private names where
+they are used; their canaries are in ``tests/compat/test_internals.py`` too:
+
 - ``optimizer.py``:
   - ``ALL_REDUCE_HOOK = "_all_reduce_sum_gradients"``: the method of Keras' TensorFlow
     optimizers (``keras/src/backend/tensorflow/optimizer.py``) that all-reduces the
@@ -60,21 +61,23 @@ Names used in place (modules owned elsewhere)
   ``tensorflow.python.distribute.distribute_utils.regroup``,
   ``tensorflow.python.distribute.values`` (``Mirrored``, ``DistributedValues``) and
   ``tensorflow.python.ops.resource_variable_ops.ResourceVariable``.
-- ``loss_scale.py``: replaces the public ``LossScaleOptimizer.check_finite`` on the
-  class, relying on Keras' ``_tf_apply`` and ``_common_apply`` deciding through it
-  (guarded by ``tests/test_optimizer_mixed_precision.py``).
+- ``compat.loss_scale``: replaces the public ``LossScaleOptimizer.check_finite`` on the
+  class, relying on Keras' ``_tf_apply`` and ``_common_apply`` deciding through it.
 - ``resist/trainer.py``: ``optimizer.ALL_REDUCE_HOOK`` (above), set and deleted on the
   model's optimizer for local SGD.
 
 Public serialization (``keras.saving.register_keras_serializable``,
 ``serialize_keras_object``, ``deserialize_keras_object``) is used throughout; the
-package does not import ``keras.src.saving.serialization_lib``.
+package imports no ``keras.src`` module but through ``keras_tensorflow_trainer``.
 """
 
 import importlib
 from typing import List
 
+from tensorflow.python.eager import context
+
 __all__ = [
+    "KERAS_TENSORFLOW_TRAINER",
     "cross_device_ops_of",
     "eager_context_initialized",
     "flatten_layers",
@@ -83,61 +86,81 @@ __all__ = [
     "own_distribute_strategy",
     "set_collective_key_base",
     "set_initial_epoch",
-    "versions",
 ]
-
-# The versions this module's list was checked against (see ``versions()`` for the installed).
-TESTED_TENSORFLOW = "2.21.0"
-TESTED_KERAS = "3.15.1"
 
 KERAS_TENSORFLOW_TRAINER = "keras.src.backend.tensorflow.trainer"
 
 
-def versions() -> str:
-  """The installed versions, for error messages: "TensorFlow 2.21.0, Keras 3.15.1"."""
-  import keras  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  return f"TensorFlow {tf.__version__}, Keras {keras.__version__}"
-
-
 def cross_device_ops_of(strategy):
-  """The ``CrossDeviceOps`` of a ``MirroredStrategy`` (None for strategies without one)."""
+  """The ``CrossDeviceOps`` of a ``MirroredStrategy``.
+
+  Args:
+    strategy: any object; strategies without cross-device ops give None.
+
+  Returns:
+    The ``tf.distribute.CrossDeviceOps`` the strategy reduces with, or None.
+  """
   extended = getattr(strategy, "extended", None)
   return getattr(extended, "_cross_device_ops", None)
 
 
 def set_collective_key_base(strategy, base: int) -> None:
-  """Sets where ``strategy`` (a ``MirroredStrategy`` not yet initialised) numbers its
-  collective keys from; on this instance only, the class keeps its own."""
+  """Sets where ``strategy`` numbers its collective keys from.
+
+  Args:
+    strategy: a ``MirroredStrategy`` made with ``__new__``, not yet initialised: its
+      ``__init__`` reads the base. The class keeps its own base; only this instance
+      changes.
+    base: the first group key minus one.
+  """
   strategy._collective_key_base = base  # pylint: disable=protected-access
 
 
 def flatten_layers(model, include_self: bool = False) -> List:
-  """``model``'s layers and all their nested layers, in Keras' own order."""
+  """``model``'s layers and all their nested layers, in Keras' own order.
+
+  Args:
+    model: a Keras layer or model.
+    include_self: whether ``model`` itself comes first.
+
+  Returns:
+    A list of layers.
+  """
   return model._flatten_layers(include_self=include_self)  # pylint: disable=protected-access
 
 
 def in_multi_worker_mode(strategy) -> bool:
-  """Whether a ``MultiWorkerMirroredStrategy`` spans more than one worker."""
+  """Whether a ``MultiWorkerMirroredStrategy`` spans more than one worker.
+
+  Args:
+    strategy: a ``tf.distribute.MultiWorkerMirroredStrategy``.
+  """
   return strategy.extended._in_multi_worker_mode()  # pylint: disable=protected-access
 
 
 def own_distribute_strategy(model):
-  """The strategy ``model`` was created under, or None (Keras' TensorFlow trainer)."""
+  """The strategy ``model`` was created under, or None (Keras' TensorFlow trainer).
+
+  Unlike the public ``model.distribute_strategy``, which falls back to the current
+  strategy, this says whether Keras will distribute the model's own steps.
+  """
   return model._distribute_strategy  # pylint: disable=protected-access
 
 
 def set_initial_epoch(model, epoch: int) -> None:
-  """Makes the ``fit`` that is starting (from ``on_train_begin``) begin at ``epoch``."""
+  """Makes the ``fit`` that is starting (called from ``on_train_begin``) begin at ``epoch``."""
   model._initial_epoch = epoch  # pylint: disable=protected-access
 
 
 def eager_context_initialized() -> bool:
   """Whether TensorFlow's eager runtime has started (devices and flags are then fixed)."""
-  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
   return bool(context.context()._initialized)  # pylint: disable=protected-access
 
 
 def keras_tensorflow_trainer():
-  """The module of Keras' TensorFlow trainer (raises ImportError where there is none)."""
+  """The module of Keras' TensorFlow trainer.
+
+  Raises:
+    ImportError: a Keras without it (Keras 2, another layout).
+  """
   return importlib.import_module(KERAS_TENSORFLOW_TRAINER)

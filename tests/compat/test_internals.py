@@ -1,0 +1,479 @@
+"""Canaries of the private Keras and TensorFlow names tf_adacomp relies on.
+
+One test per name of ``tf_adacomp/compat/internals.py``'s list. Each uses the real
+attribute on a real strategy, model or optimizer the way the package does and checks
+that the result is what the package needs, so an upstream change of behaviour fails
+here as surely as a rename; the failure names the private name, its user and the
+installed versions (``canaries.fail``).
+
+The names only a multi-worker cluster exercises (``_in_multi_worker_mode``,
+``_collective_all_reduce_multi_worker``) and the functions the Keras fix wraps are
+canaried in ``test_keras_multi_worker.py``; ``LossScaleOptimizer.check_finite`` in
+``test_loss_scale.py``.
+"""
+
+import ast
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import canaries
+from tf_adacomp.compat import internals
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CPUS = ["/cpu:0", "/cpu:1"]
+
+
+def _mirrored(**kwargs):
+  return tf.distribute.MirroredStrategy(CPUS, **kwargs)
+
+
+def _built(optimizer, *shapes):
+  variables = [keras.Variable(np.zeros(shape, np.float32)) for shape in shapes or ([3],)]
+  optimizer.build(variables)
+  return optimizer, variables
+
+
+def _module(name, user):
+  with canaries.watching(f"module `{name}`", user):
+    return __import__(name, fromlist=["_"])
+
+
+# --- Accessors of compat/internals.py ------------------------------------------------------
+
+
+def test_cross_device_ops_of_is_what_the_strategy_reduces_with():
+  name, user = "`MirroredExtended._cross_device_ops`", "internals.cross_device_ops_of"
+  ops = tf.distribute.ReductionToOneDevice()
+  with canaries.watching(name, user):
+    found = internals.cross_device_ops_of(_mirrored(cross_device_ops=ops))
+  canaries.require(found is ops, name, user,
+                   f"expected the CrossDeviceOps given to MirroredStrategy, got {found!r}")
+  canaries.require(
+      isinstance(internals.cross_device_ops_of(_mirrored()), tf.distribute.CrossDeviceOps),
+      name, user, "a MirroredStrategy made without cross_device_ops has its default ones")
+  assert internals.cross_device_ops_of(object()) is None
+
+
+def test_set_collective_key_base_moves_the_strategys_collective_keys():
+  name, user = "`MirroredStrategy._collective_key_base`", "internals.set_collective_key_base"
+  cls = tf.distribute.MirroredStrategy
+  base = 12_300_000
+  strategy = cls.__new__(cls)
+  with canaries.watching(name, user):
+    internals.set_collective_key_base(strategy, base)
+    strategy.__init__(CPUS)
+    group_key = strategy.extended._collective_keys.get_group_key(CPUS)  # pylint: disable=protected-access
+  canaries.require(group_key > base, name, user,
+                   f"read by MirroredExtended.__init__ as the first group key: a base of "
+                   f"{base} gave group key {group_key}")
+  canaries.require(cls._collective_key_base == 0, name, user,  # pylint: disable=protected-access
+                   "set on one instance, the class keeps its own")
+
+
+def test_flatten_layers_gives_every_nested_layer():
+  name, user = "`Layer._flatten_layers`", "internals.flatten_layers (resist.model)"
+  inner = keras.Sequential([keras.layers.Dense(2, name="nested_dense")], name="inner")
+  inputs = keras.Input([3])
+  model = keras.Model(inputs, inner(keras.layers.Dense(3, name="top_dense")(inputs)))
+  with canaries.watching(name, user):
+    names = [layer.name for layer in internals.flatten_layers(model)]
+    first = internals.flatten_layers(model, include_self=True)[0]
+  canaries.require("nested_dense" in names and "top_dense" in names and model.name not in names,
+                   name, user, f"expected nested layers without the model, got {names}")
+  canaries.require(first is model, name, user, "include_self=True puts the model first")
+
+
+def test_own_distribute_strategy_is_the_strategy_the_model_was_made_under():
+  name, user = "`TensorFlowTrainer._distribute_strategy`", "internals.own_distribute_strategy"
+  with canaries.watching(name, user):
+    outside = internals.own_distribute_strategy(keras.Sequential([keras.layers.Dense(1)]))
+    strategy = _mirrored()
+    with strategy.scope():
+      inside = internals.own_distribute_strategy(keras.Sequential([keras.layers.Dense(1)]))
+  canaries.require(outside is None, name, user,
+                   f"None for a model made outside any scope, got {outside!r}")
+  canaries.require(inside is strategy, name, user,
+                   f"the strategy of the scope the model was made in, got {inside!r}")
+
+
+def test_set_initial_epoch_is_where_a_starting_fit_begins():
+  # Keras' fit reads `_initial_epoch` after on_train_begin, where backup.BackupAndRestore
+  # sets it: a fit of 3 epochs set to start at 2 runs one.
+  name, user = "`Model._initial_epoch`", "internals.set_initial_epoch (backup)"
+  model = keras.Sequential([keras.Input([2]), keras.layers.Dense(1)])
+  model.compile(optimizer="sgd", loss="mse")
+  epochs = []
+
+  class StartAtTwo(keras.callbacks.Callback):
+
+    def on_train_begin(self, logs=None):
+      internals.set_initial_epoch(self.model, 2)
+
+    def on_epoch_begin(self, epoch, logs=None):
+      epochs.append(epoch)
+
+  with canaries.watching(name, user):
+    model.fit(np.zeros([4, 2]), np.zeros([4, 1]), epochs=3, verbose=0,
+              callbacks=[StartAtTwo()])
+  canaries.require(epochs == [2], name, user,
+                   f"fit(epochs=3) set to start at 2 ran epochs {epochs}, not [2]")
+
+
+def test_eager_context_initialized_before_and_after_the_runtime_starts():
+  # A process of its own: this one started TensorFlow's runtime long ago.
+  name, user = "`tensorflow.python.eager.context.Context._initialized`", \
+      "internals.eager_context_initialized (xla_cache.enable)"
+  code = textwrap.dedent("""
+      import tensorflow as tf
+      from tf_adacomp.compat import internals
+      before = internals.eager_context_initialized()
+      tf.constant(1.0)
+      print("RESULT", before, internals.eager_context_initialized())
+      """)
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="",
+             PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+  result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env=env)
+  lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT")]
+  canaries.require(lines == ["RESULT False True"], name, user,
+                   f"expected False before the first op and True after; got {lines} "
+                   f"(stderr: {result.stderr[-2000:]})")
+
+
+def test_keras_tensorflow_trainer_holds_what_the_fix_wraps():
+  name, user = f"module `{internals.KERAS_TENSORFLOW_TRAINER}`", "compat.keras_multi_worker"
+  with canaries.watching(name, user):
+    trainer = internals.keras_tensorflow_trainer()
+  for attribute in ("TensorFlowTrainer", "reduce_per_replica",
+                    "_collective_all_reduce_multi_worker"):
+    canaries.require(callable(getattr(trainer, attribute, None)), name, user,
+                     f"it has no `{attribute}`")
+  canaries.require(keras.Model.__mro__.count(trainer.TensorFlowTrainer) == 1, name, user,
+                   "keras.Model is a TensorFlowTrainer (the class the fix patches)")
+
+
+# --- Names used in place: optimizer.py -------------------------------------------------------
+
+
+def _apply_per_replica_gradients(strategy, optimizer, variable):
+  """One ``optimizer.apply`` in every replica, replica r with the gradient r + 1."""
+
+  @tf.function
+  def step():
+    def replica_fn():
+      replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+      optimizer.apply([tf.cast(replica + 1, tf.float32) * tf.ones([2])], [variable])
+    strategy.run(replica_fn)
+
+  step()
+
+
+@pytest.mark.parametrize("make", [keras.optimizers.SGD, keras.optimizers.Adam,
+                                  keras.optimizers.AdamW, keras.optimizers.RMSprop])
+def test_all_reduce_sum_gradients_is_the_only_all_reduce_of_apply(make):
+  """CompressedOptimizer switches the inner optimizer's all-reduce off by replacing this
+  method on the instance: with it, the replicas' copies agree; without it, each replica
+  applies its own gradient (no other all-reduce is left to double the sum)."""
+  name = "`Optimizer._all_reduce_sum_gradients`"
+  user = f"optimizer.ALL_REDUCE_HOOK ({make.__name__}), resist.trainer"
+  copies = {}
+  for hooked in (True, False):
+    strategy = _mirrored()
+    with strategy.scope():
+      variable = keras.Variable(np.zeros([2], np.float32))
+      optimizer = make(0.1)
+      optimizer.build([variable])
+    if not hooked:
+      with canaries.watching(name, user):
+        getattr(optimizer, "_all_reduce_sum_gradients")
+      optimizer._all_reduce_sum_gradients = list  # pylint: disable=protected-access
+
+    with canaries.watching(name, user):
+      _apply_per_replica_gradients(strategy, optimizer, variable)
+    copies[hooked] = [c.numpy() for c in strategy.experimental_local_results(variable.value)]
+  canaries.require(np.array_equal(*copies[True]), name, user,
+                   f"with the method in place the replicas' copies agree: {copies[True]}")
+  canaries.require(not np.array_equal(*copies[False]), name, user,
+                   f"replaced by an identity, nothing all-reduces the gradients: "
+                   f"{copies[False]}")
+
+
+@pytest.mark.parametrize("make, attribute, first_moment", [
+    (lambda: keras.optimizers.SGD(0.1, momentum=0.9), "momentums", lambda g: -0.1 * g),
+    (lambda: keras.optimizers.Adam(0.1, beta_1=0.9), "_momentums", lambda g: 0.1 * g),
+    (lambda: keras.optimizers.AdamW(0.1, beta_1=0.9), "_momentums", lambda g: 0.1 * g),
+], ids=["SGD", "Adam", "AdamW"])
+def test_first_moment_slots_hold_the_first_moment_in_variable_order(make, attribute,
+                                                                     first_moment):
+  """Momentum masking (optimizer._first_moment_slots) zeroes these slots where a value
+  was sent: after one step from zeros they hold SGD's velocity (-lr * g) or Adam's
+  first moment ((1 - beta_1) * g), in the order of ``_get_variable_index``."""
+  name, user = f"`{attribute}`", "optimizer._first_moment_slots (momentum masking)"
+  optimizer, variables = _built(make(), [3], [2])
+  grads = [tf.constant([1.0, -2.0, 4.0]), tf.constant([0.5, 8.0])]
+  optimizer.apply(grads, variables)
+  with canaries.watching(name, user):
+    slots = getattr(optimizer, attribute)
+    for variable, grad in zip(variables, grads):
+      slot = slots[optimizer._get_variable_index(variable)]  # pylint: disable=protected-access
+      canaries.require(np.allclose(slot.numpy(), first_moment(grad.numpy()), rtol=1e-5), name,
+                       user, f"after one step with {grad.numpy()} it holds {slot.numpy()}")
+
+
+def test_get_variable_index_is_the_build_order():
+  name, user = "`Optimizer._get_variable_index`", "CompressedOptimizer (plans, residues, slots)"
+  optimizer, variables = _built(keras.optimizers.SGD(0.1), [3], [2], [4])
+  with canaries.watching(name, user):
+    indices = [optimizer._get_variable_index(v) for v in reversed(variables)]  # pylint: disable=protected-access
+  canaries.require(indices == [2, 1, 0], name, user, f"got {indices} for the built list reversed")
+
+
+def test_distribution_strategy_is_the_scope_the_optimizer_was_made_in():
+  name, user = "`Optimizer._distribution_strategy`", "CompressedOptimizer (build, slots)"
+  strategy = _mirrored()
+  with strategy.scope():
+    optimizer = keras.optimizers.SGD(0.1)
+  with canaries.watching(name, user):
+    found = optimizer._distribution_strategy  # pylint: disable=protected-access
+  canaries.require(found is strategy, name, user, f"got {found!r}")
+
+
+def test_track_variable_makes_a_variable_the_optimizers_own():
+  name, user = "`Optimizer._track_variable`", "CompressedOptimizer._add_replica_variable"
+  optimizer, _ = _built(keras.optimizers.SGD(0.1))
+  residue = keras.Variable(np.zeros([3], np.float32), trainable=False, name="residue")
+  with canaries.watching(name, user):
+    optimizer._track_variable(residue)  # pylint: disable=protected-access
+  canaries.require(any(v is residue for v in optimizer.variables), name, user,
+                   "a tracked variable is in optimizer.variables (so checkpoints save it)")
+
+
+def test_variables_is_the_optimizers_own_list():
+  name, user = "`Optimizer._variables`", "CompressedOptimizer.variables"
+  optimizer, _ = _built(keras.optimizers.SGD(0.1, momentum=0.9))
+  with canaries.watching(name, user):
+    own = list(optimizer._variables)  # pylint: disable=protected-access
+  canaries.require([id(v) for v in own] == [id(v) for v in optimizer.variables], name, user,
+                   "a plain optimizer's variables are its _variables")
+  canaries.require(any(v is optimizer.iterations for v in own), name, user,
+                   "they include `iterations`")
+
+
+def test_trainable_variables_is_the_built_list():
+  name, user = "`Optimizer._trainable_variables`", "CompressedOptimizer.apply"
+  optimizer, variables = _built(keras.optimizers.SGD(0.1), [3], [2])
+  with canaries.watching(name, user):
+    found = list(optimizer._trainable_variables)  # pylint: disable=protected-access
+  canaries.require([id(v) for v in found] == [id(v) for v in variables], name, user,
+                   "the variables the optimizer was built with, in order")
+
+
+def test_strategy_supports_no_merge_call_is_false_for_mirrored_on_cpus():
+  name = "`tf.__internal__.distribute.strategy_supports_no_merge_call`"
+  user = "CompressedOptimizer._on_every_replica_if"
+  strategy = _mirrored()
+
+  found = []
+
+  @tf.function
+  def step():
+    def replica_fn():
+      found.append(tf.__internal__.distribute.strategy_supports_no_merge_call())
+    strategy.run(replica_fn)
+
+  with canaries.watching(name, user):
+    step()
+  canaries.require(found == [False, False], name, user,
+                   f"MirroredStrategy on CPUs takes the merge-call path, got {found}")
+
+
+def test_maybe_merge_call_runs_in_cross_replica_context_with_the_strategy():
+  name = "`tf.__internal__.distribute.interim.maybe_merge_call`"
+  user = "CompressedOptimizer._assign_per_replica"
+  strategy = _mirrored()
+  seen = []
+
+  def merged(distribution, value):
+    seen.append((distribution is strategy, tf.distribute.in_cross_replica_context()))
+    return distribution.experimental_local_results(value)[0] * 0 + 7.0
+
+  @tf.function
+  def step():
+    return strategy.run(lambda: tf.__internal__.distribute.interim.maybe_merge_call(
+        merged, strategy, tf.constant(1.0)))
+
+  with canaries.watching(name, user):
+    results = [float(r) for r in strategy.experimental_local_results(step())]
+  canaries.require(seen and all(s == (True, True) for s in seen), name, user,
+                   f"fn gets the strategy, in cross-replica context: {seen}")
+  canaries.require(results and set(results) == {7.0}, name, user,
+                   f"its result returns to every replica: {results}")
+
+
+# --- Names used in place: cross_device_ops.py ---------------------------------------------
+
+
+class _Spy(tf.distribute.ReductionToOneDevice):
+  """Records which of the subclass hooks the strategy called."""
+
+  def __init__(self):
+    super().__init__()
+    self.called = []
+
+  def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+    self.called.append("reduce_implementation")
+    return super().reduce_implementation(reduce_op, per_replica_value, destinations, options)
+
+  def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+    self.called.append("batch_reduce_implementation")
+    return super().batch_reduce_implementation(reduce_op, value_destination_pairs, options)
+
+  def _gather_implementation(self, per_replica_value, destinations, axis, options):
+    self.called.append("_gather_implementation")
+    return super()._gather_implementation(per_replica_value, destinations, axis, options)
+
+
+def _per_replica(strategy):
+  """A per-replica value, each component on its replica's device: replica r holds
+  ``[r + 1, r + 1]``."""
+  return strategy.run(lambda: tf.fill([2], tf.cast(
+      tf.distribute.get_replica_context().replica_id_in_sync_group + 1, tf.float32)))
+
+
+@pytest.mark.parametrize("hook", ["reduce_implementation", "batch_reduce_implementation",
+                                  "_gather_implementation"])
+def test_cross_device_ops_subclass_hooks_are_what_reductions_call(hook):
+  """``CrossDeviceOps.reduce`` reaches ``reduce_implementation``; a replica's
+  ``all_reduce`` (Keras' gradient all-reduce) reaches ``batch_reduce_implementation``;
+  ``strategy.gather`` reaches ``_gather_implementation``."""
+  name, user = f"`CrossDeviceOps.{hook}`", "CompressedAllReduce"
+  spy = _Spy()
+  strategy = _mirrored(cross_device_ops=spy)
+  value = _per_replica(strategy)
+  with canaries.watching(name, user):
+    if hook == "reduce_implementation":
+      with strategy.scope():
+        destination = tf.Variable(tf.zeros([2]))
+      result = spy.reduce(tf.distribute.ReduceOp.SUM, value, destination)
+    elif hook == "batch_reduce_implementation":
+      result = strategy.run(lambda: tf.distribute.get_replica_context().all_reduce(
+          tf.distribute.ReduceOp.SUM, tf.fill([2], tf.cast(
+              tf.distribute.get_replica_context().replica_id_in_sync_group + 1, tf.float32))))
+    else:
+      result = strategy.gather(value, axis=0)
+  canaries.require(hook in spy.called, name, user,
+                   f"the strategy called {spy.called}, not the subclass's {hook}")
+  expected = [1, 1, 2, 2] if hook == "_gather_implementation" else [3, 3]
+  found = strategy.experimental_local_results(result)[0].numpy().tolist()
+  canaries.require(found == expected, name, user, f"expected {expected}, got {found}")
+
+
+def test_reduction_to_one_device_gather_concatenates_replicas():
+  name, user = "`ReductionToOneDevice._gather`", "CompressedAllReduce._gather_implementation"
+  strategy = _mirrored()
+  with canaries.watching(name, user):
+    gathered = tf.distribute.ReductionToOneDevice()._gather(  # pylint: disable=protected-access
+        _per_replica(strategy), CPUS[0], axis=0, options=None)
+  found = strategy.experimental_local_results(gathered)[0].numpy().tolist()
+  canaries.require(found == [1, 1, 2, 2], name, user, f"got {found}")
+
+
+def test_get_devices_from_resolves_destinations():
+  name = "`tensorflow.python.distribute.cross_device_ops.get_devices_from`"
+  user = "CompressedAllReduce (the targets of a reduction)"
+  module = _module("tensorflow.python.distribute.cross_device_ops", user)
+  strategy = _mirrored()
+  with strategy.scope():
+    variable = tf.Variable(tf.zeros([2]))  # a destination: a mirrored variable
+  with canaries.watching(name, user):
+    of_value = tuple(module.get_devices_from(variable))
+    of_string = tuple(module.get_devices_from("/cpu:1"))
+  canaries.require([d.split("/")[-1] for d in of_value] == ["device:CPU:0", "device:CPU:1"],
+                   name, user, f"a mirrored variable's devices, got {of_value}")
+  canaries.require(len(of_string) == 1 and of_string[0].endswith("CPU:1"), name, user,
+                   f"a device string resolves to itself, got {of_string}")
+
+
+def test_regroup_makes_a_mirrored_value_from_per_device_results():
+  name = "`tensorflow.python.distribute.distribute_utils.regroup`"
+  user = "CompressedAllReduce (the Mirrored result)"
+  distribute_utils = _module("tensorflow.python.distribute.distribute_utils", user)
+  values = _module("tensorflow.python.distribute.values", user)
+  parts = []
+  for device in CPUS:
+    with tf.device(device):
+      parts.append(tf.constant([1.0, 2.0]))
+  with canaries.watching(name, user):
+    result = distribute_utils.regroup(parts, wrap_class=values.Mirrored)
+  canaries.require(isinstance(result, values.Mirrored) and list(result.values) == parts,
+                   name, user, f"got {result!r}")
+
+
+def test_values_distributed_classes_are_what_strategies_make():
+  name, user = "`tensorflow.python.distribute.values`", "CompressedAllReduce"
+  values = _module("tensorflow.python.distribute.values", user)
+  canaries.require(isinstance(_per_replica(_mirrored()), values.DistributedValues), name, user,
+                   "a strategy's per-replica value is a values.DistributedValues")
+  canaries.require(issubclass(values.Mirrored, values.DistributedValues)
+                   and issubclass(values.Mirrored, tf.distribute.DistributedValues), name,
+                   user, "values.Mirrored is a DistributedValues (both the class and the "
+                   "public type)")
+
+
+def test_resource_variable_is_one_plain_variable_in_a_strategy_scope():
+  """CompressedAllReduce keeps one residue per device: a variable that a strategy's
+  scope does not turn into a mirrored one, placed where it was made."""
+  name = "`tensorflow.python.ops.resource_variable_ops.ResourceVariable`"
+  user = "CompressedAllReduce (per-device residues)"
+  module = _module("tensorflow.python.ops.resource_variable_ops", user)
+  strategy = _mirrored()
+  with strategy.scope(), tf.device(CPUS[1]):
+    with canaries.watching(name, user):
+      variable = module.ResourceVariable(tf.zeros([2]), trainable=False)
+  canaries.require(not isinstance(variable, tf.distribute.DistributedValues)
+                   and variable.device.endswith("CPU:1"), name, user,
+                   f"got {type(variable).__name__} on {variable.device}")
+
+
+# --- The list itself ------------------------------------------------------------------------
+
+
+def _private_imports(path):
+  """The private framework modules a file imports (``keras.src``, ``tensorflow.python``),
+  at any depth, by ``import`` or ``importlib.import_module`` of a literal name."""
+  found = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      found.update(alias.name for alias in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      found.add(node.module)
+    elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+      found.add(node.value)
+  return {m for m in found if m.startswith(("keras.src", "tensorflow.python"))}
+
+
+def test_private_framework_modules_are_imported_only_where_listed():
+  """Every private module the package imports is one internals.py lists, in a module it
+  names: a new private dependency is added to the list (and given a canary) first."""
+  allowed = {
+      "tf_adacomp/compat/internals.py": {"tensorflow.python.eager",
+                                         internals.KERAS_TENSORFLOW_TRAINER},
+      "tf_adacomp/cross_device_ops.py": {"tensorflow.python.distribute",
+                                         "tensorflow.python.ops"},
+  }
+  found = {}
+  for path in sorted((ROOT / "tf_adacomp").rglob("*.py")):
+    relative = str(path.relative_to(ROOT))
+    private = _private_imports(path)
+    if private and not private <= allowed.get(relative, set()):
+      found[relative] = sorted(private - allowed.get(relative, set()))
+  assert not found, (f"Private framework modules imported where compat/internals.py does not "
+                     f"list them: {found}")

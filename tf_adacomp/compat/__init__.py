@@ -1,0 +1,19 @@
+"""Compatibility with Keras and TensorFlow: private names, and patches of upstream bugs.
+
+Everything tf_adacomp does to the frameworks beyond their public API is here, each with
+its guard beside it and a canary test in ``tests/compat/`` that exercises the installed
+framework:
+
+- ``versions``: the versions the guards were checked against, and the installed ones;
+- ``internals``: accessors of the private Keras and TensorFlow names the package reads
+  or sets, and the list of those used in place elsewhere;
+- ``patches``: the one mechanism that installs, reverts and reports patches
+  (``install(name)``, ``revert(name)``, ``applied(name)``);
+- ``keras_multi_worker``: the fix that makes Keras 3 ``model.fit`` train under
+  multi-worker ``MultiWorkerMirroredStrategy``;
+- ``loss_scale``: the fix that makes ``LossScaleOptimizer(CompressedOptimizer(...))``
+  take one finiteness decision for all replicas.
+
+Users need none of it: ``CompressedOptimizer`` and
+``tf_adacomp.distribute.multi_worker_strategy()`` apply the fixes they need.
+"""
