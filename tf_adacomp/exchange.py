@@ -16,8 +16,9 @@ in three stages, so that only the middle one depends on how payloads travel:
    context by copying each replica's buffers to each destination device
    (``Exchange.local_exchange``, used by ``CompressedAllReduce`` and by
    ``simulate.SimulatedLearners``).
-3. ``Exchange.decode``: from every replica's buffers, the ``[replicas, words]`` rows of
-   each tensor are rebuilt and decoded in replica order, so that every replica (and every
+3. ``Exchange.decode``: from what arrived (``Incoming``: every replica's buffers and
+   lengths, or the summed summable payloads), the ``[replicas, words]`` rows of each
+   tensor are rebuilt and decoded in replica order, so that every replica (and every
    destination device) computes bit-identical results; the ``Reduction`` combines them.
 
 What one replica sent is counted from the lengths that were really exchanged, by
@@ -56,18 +57,35 @@ class Reduction:
   sums_payloads: bool = True
 
   def combine(self, tensors: Sequence[tf.Tensor]) -> tf.Tensor:
+    """The replicas' contributions combined, in replica order (the same on every replica).
+
+    Args:
+      tensors: one decoded tensor per replica, of one shape and dtype.
+
+    Returns:
+      Their total, in this reduction's units.
+    """
     raise NotImplementedError
 
   def decode(self, decode_rows, rows: tf.Tensor) -> List[tf.Tensor]:
-    """``decode_rows(rows)`` decodes ``[r, words]`` payload rows of one bucket into the
-    sum of their contributions, one tensor per gradient; this decodes the
-    ``[replicas, words]`` ``rows`` and combines them, gradient by gradient."""
+    """Decodes one bucket's rows and combines them, gradient by gradient.
+
+    Args:
+      decode_rows: ``decode_rows(r)`` decodes ``[r, words]`` payload rows of the bucket
+        into the sum of their contributions, one tensor per gradient.
+      rows: the bucket's ``[replicas, words]`` payload rows.
+
+    Returns:
+      One combined total per gradient of the bucket.
+    """
     raise NotImplementedError
 
   def to_sum(self, total, replicas: int):
+    """What a SUM reduction of ``replicas`` contributions returns, from ``combine``'s total."""
     raise NotImplementedError
 
   def to_mean(self, total, replicas: int):
+    """What a MEAN reduction of ``replicas`` contributions returns, from ``combine``'s total."""
     raise NotImplementedError
 
   def __repr__(self):
@@ -132,7 +150,11 @@ def get_reduction(reduction) -> Reduction:
 
 
 def check_reduction(reduction) -> str:
-  """Returns the name of ``reduction`` if it is one of ``REDUCTIONS``, else ValueError."""
+  """The name of ``reduction`` ("sum" or "adasum"; a ``Reduction`` gives its name).
+
+  Raises:
+    ValueError: any other value, named in the message.
+  """
   return get_reduction(reduction).name
 
 
@@ -444,6 +466,9 @@ def gathered_rows(data, lengths, index: int, width: int, replicas: int):
     index: which payload.
     width: the static payload length; rows are zero-padded to it.
     replicas: the number of replicas (collectives may not give it statically).
+
+  Returns:
+    int32 ``[replicas, width]``: row r holds replica r's payload, then zeros.
   """
   replica_start = tf.cumsum(tf.reduce_sum(lengths, axis=1), exclusive=True)
   start = replica_start + tf.cumsum(lengths, axis=1, exclusive=True)[:, index]

@@ -16,7 +16,7 @@ from tf_adacomp.compat import versions
 def fail(name: str, user: str, what: str):
   """Fails the test: ``name`` (a private name), relied on by ``user``, ``what`` happened."""
   pytest.fail(
-      f"The private {name} that {user} relies on has changed: {what}. Installed: "
+      f"The private {name}, relied on by {user}, has changed: {what}. Installed: "
       f"{versions.installed()}; checked against {versions.tested()}. Update "
       f"tf_adacomp/compat/ (internals.py lists every private name and who uses it).",
       pytrace=False)
