@@ -14,6 +14,7 @@ import site
 import subprocess
 import sys
 import sysconfig
+import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCES = ("tf_adacomp", "examples", "pyproject.toml", "setup.py", "README.md")
@@ -95,3 +96,13 @@ def test_an_editable_install_where_wheel_and_setuptools_are_present(tmp_path):
   assert not list((tmp_path / "venv").rglob("*.egg-link"))
   where = _check_installed(python, tmp_path / "venv", tmp_path)
   assert all(path.startswith(str(sources)) for path in where)  # editable: the sources
+
+
+def test_every_package_of_the_tree_is_declared():
+  """pyproject.toml lists the packages one by one: a new subpackage (tf_adacomp/compat/)
+  left out would be missing from every wheel, and ``import tf_adacomp`` would fail there."""
+  declared = set(tomllib.loads((ROOT / "pyproject.toml").read_text())
+                 ["tool"]["setuptools"]["packages"])
+  found = {".".join(path.parent.relative_to(ROOT).parts)
+           for path in (ROOT / "tf_adacomp").rglob("__init__.py")}
+  assert found <= declared, f"packages missing from pyproject.toml: {sorted(found - declared)}"
