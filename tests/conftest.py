@@ -1,22 +1,67 @@
-"""Test set-up: split the CPU into logical devices before TensorFlow initialises.
+"""Test set-up: tiers, a cache directory per run, and several logical CPU devices.
 
-Several devices on one CPU let the distribution tests run MirroredStrategy with real
-collectives on a 2-core machine.
+- Tiers: ``pytest`` runs the fast tier (kernels against NumPy, exchange and optimizer
+  mechanics on small models, configuration and error cases). Tests marked
+  ``@pytest.mark.slow`` (several processes, the examples' and benchmarks' runs, packaging,
+  the CLI) run only with ``--full``, the README's second command and CI.
+- A cache directory per run (``XDG_CACHE_HOME``) for the processes the tests start, so
+  that nothing is written to the user's own cache.
+- Several devices on one CPU let the distribution tests run MirroredStrategy with real
+  collectives on a 2-core machine.
 """
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import tensorflow as tf  # noqa: E402
+# Examples run in their own processes keep compiled XLA programs in the user's cache
+# (tf_adacomp.xla_cache): a test run gives them a cache of its own, removed when the run
+# ends. (The test processes themselves keep no XLA cache: writing each program to disk
+# cost more than loading it saved, for programs compiled once per device.)
+_CACHE_OWNER = "TF_ADACOMP_TEST_CACHE"  # "pid:directory" of the process that made it
+if _CACHE_OWNER not in os.environ:
+  os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="tf_adacomp-test-cache-")
+  os.environ[_CACHE_OWNER] = f"{os.getpid()}:{os.environ['XDG_CACHE_HOME']}"
+
+import tensorflow as tf  # noqa: E402  pylint: disable=g-import-not-at-top
 
 LOGICAL_CPUS = 4
 
 _cpus = tf.config.list_physical_devices("CPU")
 tf.config.set_logical_device_configuration(
     _cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(LOGICAL_CPUS)])
+
+
+def pytest_addoption(parser):
+  parser.addoption("--full", action="store_true", default=False,
+                   help="run the whole suite: the slow tier (marked slow) too")
+
+
+def pytest_configure(config):
+  config.addinivalue_line(
+      "markers", "slow: several processes, an example's or a benchmark's run, packaging; "
+      "runs only with --full")
+
+
+def pytest_collection_modifyitems(config, items):
+  if config.getoption("--full"):
+    return
+  slow = [item for item in items if item.get_closest_marker("slow")]
+  if slow:
+    config.hook.pytest_deselected(items=slow)
+    items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
+def pytest_unconfigure(config):
+  """The process that made the run's cache removes it (xdist workers leave it)."""
+  del config
+  owner, _, cache = os.environ.get(_CACHE_OWNER, "").partition(":")
+  if owner == str(os.getpid()):
+    shutil.rmtree(cache, ignore_errors=True)
 
 
 @pytest.fixture
@@ -35,9 +80,10 @@ def unpatched_keras():
 # XLA:CPU maps about three memory regions per compiled kernel (code, constants, data)
 # and keeps them for the life of the process; an AdaComp program has ~50 kernels. Past
 # Linux's vm.max_map_count (65530 by default) the next mmap fails and TensorFlow
-# segfaults, so a process must not compile the whole suite's programs: the README runs
-# it in two (pytest-xdist, -n 2 --dist loadfile), and this stops a run, with the reason,
-# before it gets there.
+# segfaults, so a process must not compile the whole suite's programs: the suite runs in
+# two (pytest-xdist, -n 2 --dist loadfile, in pyproject.toml), and this stops a run, with
+# the reason, before a process gets there (under xdist too: the run ends with the
+# message and exit status 3).
 _MAPS = "/proc/self/maps"
 _MAPS_LIMIT = "/proc/sys/vm/max_map_count"
 _MAPS_LOG = os.environ.get("TF_ADACOMP_MAPS_LOG")
@@ -64,6 +110,6 @@ def pytest_runtest_logfinish(nodeid, location):
     pytest.exit(
         f"after {nodeid}, this test process holds {count} memory mappings, near "
         f"vm.max_map_count ({limit}): XLA:CPU keeps ~3 per compiled kernel until the "
-        f"process ends, and TensorFlow segfaults at the limit. Run the suite in two "
-        f"processes as the README does (python -m pytest tests -n 2 --dist loadfile), or "
-        f"raise vm.max_map_count.", returncode=3)
+        f"process ends, and TensorFlow segfaults at the limit. Run the tests in more "
+        f"processes (pytest -n 4), or raise the limit (sysctl -w "
+        f"vm.max_map_count=262144).", returncode=3)
