@@ -25,7 +25,7 @@ def test_readme_opens_with_two_setup_commands():
   commands = _setup_commands()
   assert len(commands) == 2
   assert "dataset-fashion-mnist" in commands[0] and "tf-adacomp demo" in commands[0]
-  assert "pytest tests" in commands[1]
+  assert "pytest --full" in commands[1]  # the whole suite, not only the fast tier
 
 
 def test_ci_runs_both_readme_commands_in_order():
