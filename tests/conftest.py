@@ -29,6 +29,8 @@ if _CACHE_OWNER not in os.environ:
 
 import tensorflow as tf  # noqa: E402  pylint: disable=g-import-not-at-top
 
+import tiers  # noqa: E402  (tests/, on sys.path as for every test module)
+
 LOGICAL_CPUS = 4
 
 _cpus = tf.config.list_physical_devices("CPU")
@@ -42,6 +44,7 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+  tiers.record(config.getoption("--full"))
   config.addinivalue_line(
       "markers", "slow: several processes, an example's or a benchmark's run, packaging; "
       "runs only with --full")
