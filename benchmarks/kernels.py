@@ -1,5 +1,10 @@
 """Throughput of the AdaComp kernels against one fused XLA pass ``residue + grad``.
 
+The kernels timed are those training runs: the compressor's bucket calls
+(``AdaComp.compress_bucket``, ``decompress_bucket``, ``bucket_nbytes``), which the
+exchange makes for every bucket of a step; with the default ``fuse=True`` they are the
+bucket kernels of ``ops.adacomp_bucket``. Each tensor is timed as a bucket of its own.
+
 The fused pass is the floor: a compressor must at least read the gradient and the
 residue and write the residue once. Every figure is a ratio to that pass, taken in the
 same run on the same tensors (these machines are noisy); each time is the median of
@@ -52,14 +57,19 @@ def bench(n, bin_size, max_density, repeats, seed=0):
   # A residue that has been accumulating (larger than one gradient), as in training.
   grad = tf.constant(rng.standard_normal(n, dtype=np.float32))
   residue = tf.constant(3 * rng.standard_normal(n, dtype=np.float32))
+  # The compressor with the default settings but the bin size and capacity measured, and
+  # the plan the exchange would make for this tensor.
+  compressor = tf_adacomp.AdaComp(dense_bin_size=bin_size, max_density=max_density)
+  plans = [compressor.plan([n], tf.float32, kind="dense")]
   fused = _median_seconds(lambda: _fused_pass(grad, residue), repeats)
   compress = _median_seconds(
-      lambda: ops.adacomp_compress(grad, residue, bin_size, max_density), repeats)
-  payload, _ = ops.adacomp_compress(grad, residue, bin_size, max_density)
-  gathered = tf.stack([payload] * 4)
-  decode = _median_seconds(lambda: ops.adacomp_decompress(payload, [n]), repeats)
-  decode4 = _median_seconds(lambda: ops.adacomp_decompress(gathered, [n]), repeats)
-  nbytes = int(ops.payload_nbytes(payload))
+      lambda: compressor.compress_bucket([grad], [(residue,)], plans), repeats)
+  payload, _ = compressor.compress_bucket([grad], [(residue,)], plans)
+  # The exchange decodes [replicas, width] rows.
+  rows, gathered = payload[None], tf.stack([payload] * 4)
+  decode = _median_seconds(lambda: compressor.decompress_bucket(rows, plans), repeats)
+  decode4 = _median_seconds(lambda: compressor.decompress_bucket(gathered, plans), repeats)
+  nbytes = int(tf.reduce_sum(compressor.bucket_nbytes(payload, plans)))
   return {
       "elements": n, "bin_size": bin_size, "max_density": max_density,
       "selected": int(payload[0]), "payload_bytes": nbytes,

@@ -19,7 +19,7 @@ from tf_adacomp.ops import adacomp_compress
 from tf_adacomp.ops import adacomp_decompress
 from tf_adacomp.ops import payload_nbytes
 from tf_adacomp.ops import payload_words
-from tf_adacomp.ops import adacomp as adacomp_ops
+from tf_adacomp.ops import adacomp_core
 
 NP_DTYPES = {
     "float16": np.float16,
@@ -708,7 +708,7 @@ def test_decoding_reads_only_the_counted_codes_in_every_decoder_chunk():
   # codes, three for a full payload. Counts on each side of each chunk boundary decode
   # exactly what the NumPy reference does, and the random words after the count (and
   # after the capacity, in the last chunk) never reach the result.
-  assert adacomp_ops.DECODE_CHUNK == 2048
+  assert adacomp_core.DECODE_CHUNK == 2048
   n, cap = 20000, 5000
   rng = np.random.default_rng(11)
   rows, expected = [], np.zeros([n], np.float32)
@@ -913,10 +913,20 @@ def test_per_bin_eager_and_function_agree():
             payload_nbytes(payload))
 
   # (The kernels are XLA-compiled either way; an outer jit_compile is tested above for
-  # the default scale and only costs compile time here.)
+  # the default scale and only costs compile time here.) Eager and graph mode call the
+  # same compiled program, so their agreement alone would hold even for a wrong
+  # program: the graph's results are also checked against the NumPy reference.
   eager, graph = step(grad, residue), tf.function(step)(grad, residue)
   for a, b in zip(eager, graph):
     np.testing.assert_array_equal(bits_of(a.numpy()), bits_of(b.numpy()))
+  payload, new_residue, decoded, nbytes = (x.numpy() for x in graph)
+  r = ref.reference_compress_per_bin(grad.numpy(), residue.numpy(), 50)
+  dec = ref.unpack_payload_per_bin(payload, 2112, 50)
+  assert dec.bits_word == r.bits | ref.BIN_SCALE_FLAG and dec.pairs == r.pairs()
+  np.testing.assert_array_equal(dec.scales, r.scales)
+  np.testing.assert_array_equal(new_residue, r.new_residue)
+  np.testing.assert_array_equal(decoded.reshape(-1), r.q.astype(np.float32))
+  assert int(nbytes) == ref.nbytes_for_per_bin(r.count, 2112, 50)
 
 
 @pytest.mark.parametrize("kind", ["nan", "inf", "bfloat16_overflow"])
@@ -953,16 +963,30 @@ def test_per_bin_and_tensor_payloads_do_not_decode_as_each_other():
 
 
 def test_tensor_scale_is_the_default_bit_for_bit():
+  # The default and scale="tensor" make the same static settings, so they run one cached
+  # compiled program: compared with each other they could not fail, whatever that
+  # program did. Each is checked against the NumPy reference's tensor-scale format
+  # instead: its bits word (no per-bin flag), its codes, its scale, its residue, and what
+  # it decodes to with the default and with scale="tensor".
   rng = np.random.default_rng(48)
-  grad = random_array([64, 33], np.float32, rng)
-  residue = random_array([64, 33], np.float32, rng)
-  a = adacomp_compress(grad, residue, 50)
-  b = adacomp_compress(grad, residue, 50, scale="tensor")
-  for x, y in zip(a, b):
-    np.testing.assert_array_equal(bits_of(x.numpy()), bits_of(y.numpy()))
-  assert payload_words(2112, 1.0, "tensor") == payload_words(2112)
-  np.testing.assert_array_equal(adacomp_decompress(a[0], [64, 33], scale="tensor").numpy(),
-                                adacomp_decompress(a[0], [64, 33]).numpy())
+  shape, n = [64, 33], 2112
+  grad = random_array(shape, np.float32, rng)
+  residue = random_array(shape, np.float32, rng)
+  r = ref.reference_compress(grad, residue, 50)
+  assert payload_words(n, 1.0, "tensor") == payload_words(n) == ref.payload_words(n)
+  for payload, new_residue in (adacomp_compress(grad, residue, 50),
+                               adacomp_compress(grad, residue, 50, scale="tensor")):
+    p = payload.numpy()
+    assert p.shape == (ref.payload_words(n),)
+    dec = ref.unpack_payload(p, n)
+    assert dec.bits == r.bits and dec.count == r.count and dec.pairs == r.pairs()
+    assert_scale_close(dec.scale, r.scale, len(r.gmax), np.float32)
+    exact = ref.reference_compress(grad, residue, 50, scale=dec.scale)
+    np.testing.assert_array_equal(new_residue.numpy(), exact.new_residue)
+    want = ref.dense_from_pairs(dec.pairs, dec.scale, n).reshape(shape)
+    np.testing.assert_array_equal(adacomp_decompress(payload, shape).numpy(), want)
+    np.testing.assert_array_equal(adacomp_decompress(payload, shape, scale="tensor").numpy(),
+                                  want)
 
 
 @pytest.mark.parametrize("bad", ["row ", "BIN", "", None, 1])

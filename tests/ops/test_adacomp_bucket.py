@@ -12,6 +12,7 @@ import tensorflow as tf
 import numpy_reference as ref
 from tf_adacomp.ops import adacomp
 from tf_adacomp.ops import adacomp_bucket
+from tf_adacomp.ops import adacomp_core
 
 
 def _random(shapes, rng, dtype=np.float32, scale=1.0):
@@ -29,6 +30,35 @@ def _per_tensor(grads, residues, bin_size, max_density, scale, rows=1):
         scale=scale, bin_size=bin_size if scale == "bin" else None)
     out.append((new.numpy(), decoded.numpy()))
   return out
+
+
+def _check_reference(payload, new, grads, residues, bin_size, max_density, scale):
+  """The bucket payload and new residues against the NumPy reference, tensor by tensor
+  (independent of the kernel that the bucket and per-tensor paths share)."""
+  sizes = [g.size for g in grads]
+  got = ref.unpack_bucket(payload.numpy(), sizes, bin_size, per_bin=(scale == "bin"))
+  assert got.flags & ref.BUCKET_FLAG
+  assert bool(got.flags & ref.BIN_SCALE_FLAG) == (scale == "bin")
+  assert got.count == sum(max(c, 0) for c in got.counts)
+  bin_start = 0
+  for t, (g, r) in enumerate(zip(grads, residues)):
+    if scale == "bin":
+      want = ref.reference_compress_per_bin(g, r, bin_size, max_density)
+      bins = ref.bins_for(g.size, bin_size)
+      if want.finite:
+        np.testing.assert_array_equal(got.scales[bin_start:bin_start + bins], want.scales)
+      bin_start += bins
+    else:
+      want = ref.reference_compress(g, r, bin_size, max_density)
+      if want.finite:
+        # The mean of the bin maxima may differ from the exact one by an ulp.
+        assert ref.ulp_diff_f32(got.scales[t], want.scale) <= 1
+        want = ref.reference_compress(g, r, bin_size, max_density, scale=got.scales[t])
+      else:
+        assert np.isnan(got.scales[t])
+    assert got.counts[t] == (want.count if want.finite else -1)
+    assert got.pairs[t] == want.pairs()
+    np.testing.assert_array_equal(new[t].numpy(), want.new_residue, err_msg=f"residue {t}")
 
 
 def _check_bit_identical(shapes, bin_size, max_density, scale, seed, dtype=np.float32,
@@ -49,6 +79,9 @@ def _check_bit_identical(shapes, bin_size, max_density, scale, seed, dtype=np.fl
       zip(expected, new, decoded)):
     np.testing.assert_array_equal(got_residue.numpy(), want_residue, err_msg=f"residue {t}")
     np.testing.assert_array_equal(got_decoded.numpy(), want_decoded, err_msg=f"decoded {t}")
+  # Both paths run the same kernel (ops.adacomp_core): what they agree on is checked
+  # against the reference too.
+  _check_reference(payload, new, grads, residues, bin_size, max_density, scale)
   return grads, residues, payload
 
 
@@ -72,7 +105,7 @@ def test_a_bucket_is_bit_identical_to_per_tensor_kernels(bucket, max_density, sc
   _, _, payload = _check_bit_identical(shapes, bin_size, max_density, scale,
                                        seed=len(shapes))
   if bucket is EVERY_ELEMENT:  # three chunks
-    assert int(payload[0]) > 2 * adacomp.DECODE_CHUNK
+    assert int(payload[0]) > 2 * adacomp_core.DECODE_CHUNK
 
 
 # Sizes from a few values (each new layout compiles two kernels): around a word, a bin
@@ -114,28 +147,9 @@ def test_one_non_finite_tensor_keeps_its_residue_and_decodes_to_nan_alone(scale)
 def test_the_payload_matches_the_numpy_reference(scale):
   rng = np.random.default_rng(5)
   shapes = [(30, 40), (40,), (40, 10), (10,)]
-  sizes = [30 * 40, 40, 400, 10]
   grads, residues = _random(shapes, rng), _random(shapes, rng, scale=0.3)
   payload, new = adacomp_bucket.compress(grads, residues, 50, 0.05, scale)
-  got = ref.unpack_bucket(payload.numpy(), sizes, 50, per_bin=(scale == "bin"))
-  assert got.flags & ref.BUCKET_FLAG
-  assert bool(got.flags & ref.BIN_SCALE_FLAG) == (scale == "bin")
-  bin_start = 0
-  for t, (g, r) in enumerate(zip(grads, residues)):
-    if scale == "bin":
-      want = ref.reference_compress_per_bin(g, r, 50, 0.05)
-      bins = ref.bins_for(g.size, 50)
-      np.testing.assert_array_equal(got.scales[bin_start:bin_start + bins], want.scales)
-      bin_start += bins
-    else:
-      want = ref.reference_compress(g, r, 50, 0.05)
-      # The mean of the bin maxima may differ from the exact one by an ulp.
-      assert ref.ulp_diff_f32(got.scales[t], want.scale) <= 1
-      want = ref.reference_compress(g, r, 50, 0.05, scale=got.scales[t])
-    assert got.counts[t] == want.count
-    assert got.pairs[t] == want.pairs()
-    np.testing.assert_array_equal(new[t].numpy(), want.new_residue)
-  assert got.count == sum(got.counts)
+  _check_reference(payload, new, grads, residues, 50, 0.05, scale)
 
 
 def test_tensor_nbytes_add_up_to_the_used_words():
@@ -144,10 +158,13 @@ def test_tensor_nbytes_add_up_to_the_used_words():
   grads, residues = _random(shapes, rng), _random(shapes, rng)
   for scale in ("tensor", "bin"):
     payload, _ = adacomp_bucket.compress(grads, residues, 50, 0.25, scale)
-    lay = adacomp_bucket.layout([10000, 20, 60], 50, 0.25, scale)
     shares = adacomp_bucket.tensor_nbytes(payload, [10000, 20, 60], 50, 0.25, scale).numpy()
     count = int(payload[0])
-    assert shares.sum() == 4 * (lay.header_words + -(-count * lay.bits // 32))
+    # docs/wire_format.md#buckets: 4 * (4 + T + S + ceil(count * bits / 32)), S = T
+    # tensor scales or the bins' bfloat16 scales two per word; bits for the largest.
+    scale_words = 3 if scale == "tensor" else -(-sum(
+        ref.bins_for(n, 50) for n in (10000, 20, 60)) // 2)
+    assert shares.sum() == 4 * (4 + 3 + scale_words + -(-count * ref.code_bits(10000) // 32))
     assert (shares > 0).all()
     # The used words are all that a receiver needs: the rest of the payload is zeros.
     assert not payload.numpy()[shares.sum() // 4:].any()
@@ -180,6 +197,23 @@ def test_random_words_never_crash_and_never_write_outside_their_tensors(seed, ke
   payload[start:] = rng.integers(-2**31, 2**31, payload.size - start, dtype=np.int64)
   decoded = adacomp_bucket.decompress(payload, shapes, tf.float32, 50, 0.25)
   assert [d.shape for d in decoded] == [tuple(s) for s in shapes]
+  if keep_header:
+    # The header is the encoder's (counts within the capacities, finite scales): each
+    # tensor decodes to its own codes at positions inside it, and nothing else.
+    sizes, caps, bits = [300, 200], [75, 50], ref.code_bits(300)
+    counts, scales = payload[4:6], payload[6:8].view(np.float32)
+    stream = np.unpackbits(payload[8:].astype("<i4").view(np.uint8), bitorder="little")
+    codes = [int((stream[j * bits:(j + 1) * bits].astype(np.int64) << np.arange(bits)).sum())
+             for j in range(int(payload[0]))]
+    start = 0
+    for t, (got, n) in enumerate(zip(decoded, sizes)):
+      want = np.zeros(n, np.float64)
+      for code in codes[start:start + min(int(counts[t]), caps[t])]:
+        if code >> 1 < n:
+          want[code >> 1] += -scales[t] if code & 1 else scales[t]
+      start += int(counts[t])
+      # Repeated positions add in an order that is not part of the contract.
+      np.testing.assert_allclose(got.numpy().reshape(-1), want, rtol=1e-5, atol=0)
 
 
 def test_bad_arguments_are_refused_naming_them():

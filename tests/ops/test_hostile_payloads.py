@@ -15,8 +15,6 @@ XLA:CPU keeps its memory mappings for the life of the process (see tests/conftes
 the shapes below are few and fixed, and hypothesis varies the words, not the shapes.
 """
 
-import functools
-
 import hypothesis
 from hypothesis import strategies as st
 import numpy as np
@@ -26,6 +24,7 @@ import tensorflow as tf
 import numpy_reference as ref
 from tf_adacomp.ops import adacomp
 from tf_adacomp.ops import adacomp_bucket
+from tf_adacomp.ops import adacomp_core
 from tf_adacomp.ops import fft as fft_ops
 from tf_adacomp.ops import topk as topk_ops
 
@@ -303,34 +302,32 @@ def _check_adacomp(case, kind, seed, scale):
 
 
 def test_count_above_capacity_reads_nothing_beyond_the_capacity():
-  # _add_codes on its own (the decoders mark such a payload NaN, which would hide it):
-  # codes at positions 1..5 fill a capacity of 5 four-bit codes; after them come the
-  # spare bits of the word and the zero padding of the decoder's last chunk, which
-  # decode as codes for position 0. A count of 100 must add the 5 codes and no more.
-  n, cap = 7, 5
-  bits = ref.code_bits(n)
-  words = ref.pack_codes(np.arange(1, cap + 1, dtype=np.uint64) << np.uint64(1), bits)
-  for count in (cap, cap + 1, 100, 2**31 - 1):
-    total = adacomp._add_codes(  # pylint: disable=protected-access
-        tf.zeros([n + 1]), tf.constant(words), tf.constant(count), n, cap, bits,
-        lambda positions, negative: tf.where(negative, -1.0, 1.0))
-    np.testing.assert_array_equal(total.numpy(), [0, 1, 1, 1, 1, 1, 0, 0],
-                                  err_msg=f"count={count}")
+  # The decoder's add_codes on its own (the decoders mark such a payload NaN, which would
+  # hide it): codes at positions 1..5 fill a capacity of 5 four-bit codes; after them
+  # come the spare bits of the word and the zero padding of the decoder's last chunk,
+  # which decode as codes for position 0. A count of 100 must add the 5 codes and no more.
+  lay = adacomp_core.Layout((7,), 1, (5,))
+  assert lay.bits == ref.code_bits(7) == 4
+  words = ref.pack_codes(np.arange(1, 6, dtype=np.uint64) << np.uint64(1), lay.bits)
+  for count in (5, 6, 100, 2**31 - 1):
+    total = adacomp_core.add_codes(tf.zeros([lay.total + 1]), tf.constant(words),
+                                   tf.constant(count), tf.constant([count]), tf.ones([1]), lay)
+    want = np.zeros(lay.total + 1, np.float32)  # the tensor, its padding and the sink
+    want[1:6] = 1
+    np.testing.assert_array_equal(total.numpy(), want, err_msg=f"count={count}")
 
 
 def test_bucket_counts_read_no_code_into_a_tensor_beyond_its_own():
-  # The bucket decoder's code locator on its own (the decoder marks these payloads NaN):
-  # tensors of 5 and 7 elements, capacities 2 and 3, codes at local positions 1..5.
+  # The decoder's add_codes on its own (the decoder marks these payloads NaN): tensors
+  # of 5 and 7 elements, capacities 2 and 3, codes at local positions 1..5.
   lay = adacomp_bucket.layout([5, 7], 1, max_density=0.4)
   assert lay.caps == (2, 3) and lay.bits == 4
   words = ref.pack_codes(np.arange(1, 6, dtype=np.uint64) << np.uint64(1), lay.bits)
 
   def decode(counts, count):
-    locate = functools.partial(adacomp_bucket._locate,  # pylint: disable=protected-access
-                               counts=tf.constant(counts, tf.int32), lay=lay)
-    total = adacomp._add_codes(  # pylint: disable=protected-access
-        tf.zeros([lay.total + 1]), tf.constant(words), tf.constant(count), lay.total,
-        lay.cap, lay.bits, lambda positions, negative: tf.ones(tf.shape(positions)), locate)
+    total = adacomp_core.add_codes(
+        tf.zeros([lay.total + 1]), tf.constant(words), tf.constant(count),
+        tf.constant(counts, tf.int32), tf.ones([2]), lay)
     return total.numpy()[[*range(5), *range(32, 39)]]  # the two tensors' elements
 
   # Well-formed: tensor 0 takes codes 0-1 (positions 1, 2), tensor 1 codes 2-4 (3, 4, 5).

@@ -1,0 +1,35 @@
+"""benchmarks/kernels.py times the kernels that training runs: the compressor's bucket
+calls, which the exchange makes by default (``AdaComp(fuse=True)``), so its payload is a
+bucket payload (docs/wire_format.md#buckets), not a per-tensor one."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+import benchmark_scripts
+
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+
+
+@pytest.mark.slow  # a benchmark's run (tests/conftest.py)
+def test_a_row_times_the_bucket_kernels_that_the_exchange_uses(tmp_path):
+  result = subprocess.run(
+      [sys.executable, os.path.join(benchmark_scripts.BENCHMARKS_DIR, "kernels.py"),
+       "--sizes=4K", "--bin_sizes=50", "--max_densities=0.25", "--repeats=1",
+       f"--json={tmp_path / 'k.json'}"],
+      capture_output=True, text=True, env=ENV, timeout=600, check=False)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  (row,) = json.loads((tmp_path / "k.json").read_text())["rows"]
+  n, bits = 4096, (4096 - 1).bit_length() + 1
+  assert (row["elements"], row["bin_size"], row["max_density"]) == (n, 50, 0.25)
+  assert 0 < row["selected"] <= math.ceil(0.25 * n)
+  # A bucket of one tensor: 4 * (4 + T + S + ceil(count * bits / 32)) with T = S = 1 (a
+  # per-tensor payload would have a 3-word header).
+  assert row["payload_bytes"] == 4 * (4 + 1 + 1 + math.ceil(row["selected"] * bits / 32))
+  assert row["compression_ratio"] == 4 * n / row["payload_bytes"]
+  assert all(row[key] > 0 for key in ("fused_pass_s", "compress_s", "decode_s",
+                                      "decode_4_replicas_s"))

@@ -1,0 +1,505 @@
+"""AdaComp's selection step, encoder and decoder, written once for a bucket of tensors.
+
+Per tensor, with residue R and new gradient dW (docs/algorithms.md#adacomp):
+
+    G = R + dW;  H = G + dW
+    gmax[b] = max |G| over bin b of ``bin_size`` consecutive elements of the flat tensor
+    S = {i : |H_i| >= gmax[bin(i)]}
+    scale = mean(gmax);  Q_i = sign(G_i) * scale on S, else 0;  R <- G - Q
+
+``scale="bin"``: every bin has its own scale, its maximum ``gmax[b]`` rounded to
+bfloat16, and ``Q_i = sign(G_i) * scale[bin(i)]``.
+
+Choices of this implementation, none of which changes Q:
+- elements with G_i == 0 are not sent: their Q_i is sign(0) * scale = 0 anyway (this
+  keeps an all-zero bin, where every |H_i| >= 0 = gmax, from sending every element);
+- each tensor has a static capacity (its payload's); if more are selected, its first
+  ones (lowest positions) are sent and the rest stay in R;
+- a tensor whose G is not finite, or whose scale the wire cannot hold, sends nothing
+  and keeps R.
+
+Two wire formats sit on this module (docs/wire_format.md): ``ops.adacomp``, one payload
+per tensor, and ``ops.adacomp_bucket``, one payload for several tensors. Both compress
+with ``compress`` and decode with ``decode``; a single tensor is a ``Layout`` of one, and
+the two modules only write and read the words around the codes.
+
+Why a core under two formats rather than a single tensor sent as a bucket of one: the
+per-tensor format is documented, checked against an independent NumPy reference, and is
+what ``AdaComp(fuse=False)`` and the public ``adacomp_compress`` send. As a bucket of one
+it would carry header words that one tensor does not need (the number of tensors, of
+scale words, and a count of its own besides the payload's). What was written twice was the kernel,
+not the format, so the kernel is what is shared: the exchange's default path (buckets)
+and the per-tensor path run the same selection, encoder and decoder, and cannot drift
+apart.
+
+Internal to ``tf_adacomp.ops``: the public kernels are ``ops.adacomp`` and
+``ops.adacomp_bucket``.
+"""
+
+import dataclasses
+import functools
+import math
+from typing import Callable, List, NamedTuple, Sequence, Tuple
+
+import tensorflow as tf
+
+from tf_adacomp.ops import bitpack
+from tf_adacomp.ops import checks
+from tf_adacomp.ops import compaction
+
+SCALES = ("tensor", "bin")
+# Smaller encoder tiers, as fractions 1/d of the positions (see _packed_codes).
+SLOT_TIERS = (128, 16)
+# Codes the decoder unpacks and adds per loop iteration (see add_codes); a multiple of
+# 32, so that every chunk starts on a word boundary whatever the code width.
+DECODE_CHUNK = 2048
+
+
+def index_bits(num_elements: int) -> int:
+  """Bits needed for a position in a tensor of ``num_elements`` (0 for 0 or 1 element)."""
+  return max(num_elements - 1, 0).bit_length()
+
+
+def capacity(num_elements: int, max_density: float) -> int:
+  """Static number of elements one tensor's payload can carry."""
+  if num_elements == 0:
+    return 0
+  return max(1, min(num_elements, math.ceil(max_density * num_elements)))
+
+
+def num_bins(num_elements: int, bin_size: int) -> int:
+  """Bins of ``bin_size`` elements (the last may be short) in a tensor."""
+  return -(-num_elements // bin_size)
+
+
+def check_scale(scale, bin_size=None) -> str:
+  """Returns ``scale`` if it is one of ``SCALES``.
+
+  Args:
+    scale: the scale option to check.
+    bin_size: the bin length; needed with ``scale="bin"`` (it maps positions to bins).
+
+  Returns:
+    ``scale``.
+
+  Raises:
+    ValueError: ``scale`` is not one of ``SCALES``, or is "bin" without a ``bin_size``.
+  """
+  if not isinstance(scale, str) or scale not in SCALES:
+    raise ValueError(f"`scale` must be one of {SCALES}. Received: scale={scale!r}")
+  if scale == "bin" and bin_size is None:
+    raise ValueError("`bin_size` is needed with scale='bin' (it maps positions to bins). "
+                     "Received: bin_size=None")
+  return scale
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Static layout of the tensors that one kernel call compresses or decodes.
+
+  The tensors lie in one flat buffer of positions, each starting at a multiple of 32 (a
+  bitmap word of its own) and zero-padded to the next: a zero changes no bin maximum and
+  is never selected (AdaComp does not send G_i == 0), and each tensor's bins are taken
+  on its own elements, so every tensor is selected as it would be alone.
+
+  Attributes:
+    sizes: elements of each tensor.
+    bin_size: L_T, shared by the tensors.
+    caps: codes each tensor may send at most (its payload capacity).
+    scale: "tensor" or "bin".
+  """
+  sizes: Tuple[int, ...]
+  bin_size: int
+  caps: Tuple[int, ...]
+  scale: str = "tensor"
+
+  @functools.cached_property
+  def blocks(self) -> Tuple[int, ...]:
+    """Bitmap words of each tensor (its elements rounded up to whole words)."""
+    return tuple(compaction.blocks_for(n) for n in self.sizes)
+
+  @functools.cached_property
+  def offsets(self) -> Tuple[int, ...]:
+    """First position of each tensor in the buffer (a multiple of 32)."""
+    return tuple(compaction.WORD_BITS * sum(self.blocks[:i]) for i in range(len(self.sizes)))
+
+  @property
+  def total(self) -> int:
+    """Positions of the buffer, padding included."""
+    return compaction.WORD_BITS * sum(self.blocks)
+
+  @property
+  def bits(self) -> int:
+    """Code width: a position within its tensor (of the largest tensor) and a sign."""
+    return index_bits(max(self.sizes)) + 1
+
+  @property
+  def cap(self) -> int:
+    """Codes all the tensors may send together."""
+    return sum(self.caps)
+
+  @functools.cached_property
+  def bins(self) -> Tuple[int, ...]:
+    """Each tensor's bins (its last may be short)."""
+    return tuple(num_bins(n, self.bin_size) for n in self.sizes)
+
+  @property
+  def bin_offsets(self) -> Tuple[int, ...]:
+    """Index of each tensor's first bin among all the tensors' bins."""
+    return tuple(sum(self.bins[:i]) for i in range(len(self.sizes)))
+
+
+# ------------------------------------------------------------------------ compress
+
+
+class Compressed(NamedTuple):
+  """What ``compress`` gives a wire format to write.
+
+  Attributes:
+    count: int32, the codes sent by all the tensors.
+    counts: one int32 per tensor, the codes it sent (0 when it was not finite).
+    finite: one bool per tensor: its G and its scales were finite (else it sent nothing
+      and kept its residue).
+    scales: one per tensor, what goes on the wire for its scale: the float32 tensor scale
+      (NaN when not finite), or with ``scale="bin"`` its bins' bfloat16 scales.
+    codes: int32 words, the bit-packed codes (``position in its tensor << 1 | (G < 0)``,
+      ``Layout.bits`` each, tensor by tensor, positions increasing), room for
+      ``Layout.cap`` codes; zeros after the sent ones.
+    residues: the new residue of each tensor, of its residue's dtype and shape.
+  """
+  count: tf.Tensor
+  counts: List[tf.Tensor]
+  finite: List[tf.Tensor]
+  scales: List[tf.Tensor]
+  codes: tf.Tensor
+  residues: List[tf.Tensor]
+
+
+class _Selection(NamedTuple):
+  words: tf.Tensor      # uint32 bitmap of the selection, before the capacity
+  signs: tf.Tensor      # uint32 bitmap of G < 0
+  finite: tf.Tensor
+  wire_scale: tf.Tensor
+  new_residue: Callable[[tf.Tensor], tf.Tensor]  # of the bitmap of what was sent
+
+
+def compress(grads: Sequence[tf.Tensor], residues: Sequence[tf.Tensor],
+             lay: Layout) -> Compressed:
+  """AdaComp of each gradient with its residue, the tensors of ``lay`` in one pass.
+
+  To be called inside a compiled kernel (``compiled.kernel``); the arguments are checked
+  by the public wrappers.
+
+  Args:
+    grads: float tensors, one per tensor of ``lay`` (any shape of its size).
+    residues: float tensors of the gradients' shapes.
+    lay: their ``Layout``.
+
+  Returns:
+    A ``Compressed``.
+  """
+  parts = [_select(g, r, n, lay) for g, r, n in zip(grads, residues, lay.sizes)]
+  words = _kept_words(tf.concat([p.words for p in parts], 0), lay)
+  signs = tf.concat([p.signs for p in parts], 0)
+  popcounts = compaction.popcount(words)
+  spans = [(o // compaction.WORD_BITS, o // compaction.WORD_BITS + blocks)
+           for o, blocks in zip(lay.offsets, lay.blocks)]
+  counts = [tf.reduce_sum(popcounts[start:end]) for start, end in spans]
+  count = tf.add_n(counts)
+  index_of = None
+  if len(lay.sizes) > 1:
+    offsets = tf.constant(lay.offsets, tf.int32)
+
+    def index_of(positions):  # a code carries the position within its own tensor
+      return positions - tf.gather(offsets, _tensor_of(positions, lay))
+
+  codes = _packed_codes(words, signs, lay.cap, count, lay.bits, index_of)
+  return Compressed(count, counts, [p.finite for p in parts], [p.wire_scale for p in parts],
+                    codes, [p.new_residue(words[start:end])
+                            for p, (start, end) in zip(parts, spans)])
+
+
+def _select(grad, residue, n: int, lay: Layout) -> _Selection:
+  """One tensor's selection on its own elements."""
+  b = lay.bin_size
+  cd = checks.compute_dtype(grad.dtype, residue.dtype)
+  dw = tf.cast(tf.reshape(grad, [-1]), cd)
+  r = tf.cast(tf.reshape(residue, [-1]), cd)
+  g = r + dw
+  h = g + dw
+  # NaN is counted as inf, so that the bin maxima reveal any non-finite element of G
+  # without a separate pass over it (XLA's max does not propagate NaN).
+  gmax = _bin_maxima(tf.where(tf.math.is_nan(g), tf.constant(float("inf"), cd), tf.abs(g)), b)
+  element_bin = tf.range(n, dtype=tf.int32) // b
+  selected = (tf.abs(h) >= tf.gather(gmax, element_bin)) & tf.not_equal(g, 0)
+  if lay.scale == "bin":
+    # The scales on the wire: float32 first (float64 maxima round there, as the tensor
+    # scale does), then bfloat16, round to nearest even both times; the receiver
+    # decodes exactly the Q subtracted here.
+    scales16 = tf.cast(tf.cast(gmax, tf.float32), tf.bfloat16)
+    scales = tf.cast(scales16, cd)
+    # A non-finite G, or a maximum that bfloat16 cannot hold: nothing is sent.
+    finite = tf.reduce_all(tf.math.is_finite(scales))
+    element_scale = tf.gather(scales, element_bin)
+    # A bin whose scale rounds to 0 would send codes worth nothing: it sends none.
+    selected = selected & (element_scale > 0) & finite
+    wire_scale = scales16
+  else:
+    # One scale per tensor, rounded to the float32 that goes on the wire, so that the
+    # receiver decodes exactly the Q subtracted here.
+    scale32 = _mean_as_float32(gmax) if n else tf.zeros([], tf.float32)
+    element_scale = tf.cast(scale32, cd)
+    # A non-finite G or a scale that float32 cannot hold: nothing is sent.
+    finite = tf.math.is_finite(scale32) & tf.reduce_all(tf.math.is_finite(gmax))
+    selected = selected & finite
+    wire_scale = tf.where(finite, scale32, tf.constant(float("nan"), tf.float32))
+  blocks = compaction.blocks_for(n)
+  words = compaction.pack_mask(compaction.to_words(selected, blocks))
+  # G's signs as a bitmap (streamed in the same pass): the encoder reads only the bits
+  # of the sent positions, and its branches get n/32 words, not G.
+  signs = compaction.pack_mask(compaction.to_words(g < 0, blocks))
+
+  def new_residue(sent_words):
+    # What was selected but not sent (beyond the capacity) stays in R with the rest.
+    sent = tf.reshape(compaction.unpack_mask(sent_words), [-1])[:n]
+    q = tf.where(g < 0, -element_scale, element_scale)
+    new = tf.where(finite, tf.where(sent, g - q, g), r)
+    return tf.reshape(tf.cast(new, residue.dtype), residue.shape)
+
+  return _Selection(words, signs, finite, wire_scale, new_residue)
+
+
+def _bin_maxima(magnitude, bin_size: int):
+  """Maximum of each run of ``bin_size`` elements (the last run may be short)."""
+  n = int(magnitude.shape[0])
+  full = n // bin_size
+  parts = []
+  if full:
+    parts.append(tf.reduce_max(tf.reshape(magnitude[:full * bin_size], [full, bin_size]), 1))
+  if n % bin_size:
+    parts.append(tf.reduce_max(magnitude[full * bin_size:], keepdims=True))
+  return tf.concat(parts, 0) if len(parts) > 1 else (parts[0] if parts else magnitude)
+
+
+def _mean_as_float32(values):
+  """Mean of non-negative values, in float64 and scaled by their maximum so that the sum
+  cannot overflow, rounded to float32 (inf when the mean exceeds float32's range)."""
+  values = tf.cast(values, tf.float64)
+  top = tf.reduce_max(values)
+  safe_top = tf.where(top > 0, top, tf.ones_like(top))
+  return tf.cast(safe_top * tf.reduce_mean(values / safe_top), tf.float32)
+
+
+def _per_word(values, lay: Layout):
+  """One int32 value per tensor, repeated over each of its bitmap words."""
+  return tf.concat([tf.fill([blocks], tf.cast(v, tf.int32))
+                    for v, blocks in zip(values, lay.blocks)], 0)
+
+
+def _kept_words(words, lay: Layout):
+  """Each tensor's selection bitmap with its own capacity applied (its lowest
+  positions), with one cumulative sum over the whole buffer."""
+  if all(cap >= n for cap, n in zip(lay.caps, lay.sizes)):
+    return words
+  offsets = compaction.cumsum(compaction.popcount(words), exclusive=True)
+  starts = [offsets[o // compaction.WORD_BITS] if blocks else 0
+            for o, blocks in zip(lay.offsets, lay.blocks)]
+  own_offsets = offsets - _per_word(starts, lay)
+  return compaction.keep_lowest_set_bits(
+      words, tf.maximum(_per_word(lay.caps, lay) - own_offsets, 0))
+
+
+def _tensor_of(positions, lay: Layout):
+  """Which tensor each buffer position lies in: one comparison per tensor boundary."""
+  return tf.reduce_sum(tf.cast(positions[:, None] >= tf.constant(lay.offsets[1:], tf.int32),
+                               tf.int32), 1)
+
+
+def _packed_codes(words, signs, cap: int, count, bits: int, index_of=None):
+  """The bit-packed codes of the sent elements, as int32 words for ``cap`` codes.
+
+  Compaction and packing cost grows with the number of slots, and AdaComp usually
+  selects a few percent of a tensor: the smallest tier (1/128 or 1/16 of the positions,
+  or the capacity) that holds the ``count`` sent codes is the one encoded, and the rest
+  of the buffer is zeros. The branches take only bitmaps (``words``, what is sent, and
+  ``signs``, G < 0), n/32 words each: XLA:CPU copies a conditional's operands into it.
+  ``index_of`` maps buffer positions to the index a code carries (with several tensors,
+  the position within its own); by default they are the same.
+  """
+  full_words = bitpack.packed_words(cap, bits)
+
+  def encode(slots):
+    positions, _, _ = compaction.select_positions(words, slots)
+    negative = tf.bitwise.bitwise_and(
+        tf.bitwise.right_shift(tf.gather(signs, positions // compaction.WORD_BITS),
+                               tf.cast(positions % compaction.WORD_BITS, tf.uint32)), 1)
+    index = positions if index_of is None else index_of(positions)
+    codes = tf.bitwise.bitwise_or(tf.bitwise.left_shift(tf.cast(index, tf.uint32), 1), negative)
+    packed = tf.bitcast(bitpack.pack(codes, bits), tf.int32)
+    return tf.pad(tf.reshape(packed, [-1]), [[0, full_words - int(packed.shape[0])]])
+
+  if cap == 0:
+    return tf.zeros([0], tf.int32)
+  n = int(words.shape[0]) * compaction.WORD_BITS
+  tiers = sorted({min(cap, -(-n // d)) for d in SLOT_TIERS} | {cap})
+
+  def smallest_tier_from(i):
+    if i == len(tiers) - 1:
+      return encode(tiers[i])
+    return tf.cond(count <= tiers[i], lambda: encode(tiers[i]),
+                   lambda: smallest_tier_from(i + 1))
+
+  return smallest_tier_from(0)
+
+
+def bfloat16_words(scales16):
+  """bfloat16 scales as int32 words, two per word: scale ``2k`` in the low half of word
+  ``k``, ``2k + 1`` in its high half (0 when their number is odd)."""
+  padded = tf.pad(scales16, [[0, int(scales16.shape[0]) % 2]])
+  return tf.bitcast(tf.reshape(padded, [-1, 2]), tf.int32)
+
+
+def bfloat16_scales(words, count: int, dtype: tf.DType):
+  """The first ``count`` bfloat16 scales of ``bfloat16_words``, cast to ``dtype``."""
+  return tf.cast(tf.reshape(tf.bitcast(words, tf.bfloat16), [-1])[:count], dtype)
+
+
+# -------------------------------------------------------------------------- decode
+
+
+class Row(NamedTuple):
+  """One payload row as a wire format reads it, for ``decode``.
+
+  Attributes:
+    count: int32, the row's codes.
+    counts: int32 ``[tensors]``, each tensor's codes (negative: none).
+    scales: the row's scales in the compute dtype: ``[tensors]`` tensor scales, or with
+      ``scale="bin"`` every tensor's bin scales, tensor by tensor.
+    codes: uint32 words, the bit-packed codes.
+    bad: bool, the row does not match what the decoder expects: every tensor decodes
+      to NaN.
+    bad_tensors: one bool per tensor: that tensor decodes to NaN.
+  """
+  count: tf.Tensor
+  counts: tf.Tensor
+  scales: tf.Tensor
+  codes: tf.Tensor
+  bad: tf.Tensor
+  bad_tensors: List[tf.Tensor]
+
+
+def decode(payload, lay: Layout, shapes, dtype: tf.DType,
+           read_row: Callable[[tf.Tensor, tf.DType], Row]) -> List[tf.Tensor]:
+  """Sum, row by row in row order, of the tensors that payload rows carry.
+
+  To be called inside a compiled kernel; ``read_row`` reads one row's words in its wire
+  format.
+
+  Args:
+    payload: int32 ``[words]`` or ``[rows, words]``.
+    lay: the tensors' ``Layout``.
+    shapes: the static shape of each tensor.
+    dtype: float dtype of the results.
+    read_row: ``(row, compute dtype) -> Row``.
+
+  Returns:
+    One tensor of ``dtype`` per shape: the sum of the rows' ternary values, NaN where a
+    row was bad for it.
+  """
+  rows = payload if payload.shape.rank == 2 else payload[None]
+  cd = checks.compute_dtype(dtype)
+  total, bad = tf.zeros([lay.total + 1], cd), tf.constant(False)
+  bad_tensors = [tf.constant(False)] * len(lay.sizes)
+  # A fixed, sequential order over rows (replicas): every replica adds the same floats
+  # in the same order and gets a bit-identical sum.
+  for i in range(int(rows.shape[0])):
+    row = read_row(rows[i], cd)
+    total = add_codes(total, row.codes, row.count, row.counts, row.scales, lay)
+    bad |= row.bad
+    bad_tensors = [x | y for x, y in zip(bad_tensors, row.bad_tensors)]
+  # NaN for a bad row, so that loss scaling and finiteness checks see it.
+  nan = tf.constant(float("nan"), cd)
+  return [tf.reshape(tf.cast(tf.where(bad | bad_t, nan, total[o:o + n]), dtype), shape)
+          for shape, n, o, bad_t in zip(shapes, lay.sizes, lay.offsets, bad_tensors)]
+
+
+def add_codes(total, words, count, counts, scales, lay: Layout):
+  """``total`` (``[lay.total + 1]``, the last element a sink) plus one row's codes.
+
+  Codes come tensor by tensor, ``counts[t]`` of them for tensor ``t``, each carrying a
+  position within its tensor, and add ``±scale`` there (its tensor's scale, or with
+  ``scale="bin"`` its bin's; ``scales`` as ``Row.scales``). A tensor takes only its own
+  codes, at most its capacity of them, and only positions inside it: with corrupt counts
+  (above a tensor's capacity, adding up to more or less than ``count``, or ``count``
+  above ``lay.cap``; the caller marks such rows NaN) no code is read into a tensor from
+  beyond its own, and neither the spare bits of the last word nor the zero padding of the
+  last chunk (which would decode as codes for position 0) are read as codes.
+
+  A while loop unpacks and adds ``DECODE_CHUNK`` codes per iteration, for as many
+  iterations as ``count`` needs (the codes are packed in order): decoding costs the codes
+  sent, not the capacity, plus the zero fill of ``total``. A loop rather than tiers of a
+  conditional: with ``total`` passing through a switch, XLA:CPU copied the sum into and
+  out of the conditional, which cost more than the decoding (docs/performance.md). A
+  row's positions are distinct, so adding them in chunks equals adding them at once, and
+  adding a row's values to the running sum equals adding a dense copy of the row
+  (``x + (0 + v) == x + v`` in floating point).
+
+  Args:
+    total: ``[lay.total + 1]`` float, the running sum.
+    words: uint32 words of the packed codes (any length; missing words read as 0).
+    count: int32, the row's codes.
+    counts: int32 ``[tensors]``, each tensor's codes (negative: none).
+    scales: float ``[tensors]`` or ``[bins of all tensors]``, of ``total``'s dtype.
+    lay: the ``Layout``.
+
+  Returns:
+    The new ``total``.
+  """
+  cap, bits = lay.cap, lay.bits
+  chunk = min(DECODE_CHUNK, -(-cap // 32) * 32)
+  if chunk == 0:
+    return total
+  chunk_words = chunk * bits // 32
+  iterations = -(-cap // chunk)
+  # Zero words after the last chunk: a dynamic slice past the end would be clamped
+  # (shifted back), not cut.
+  padded = tf.pad(words, [[0, max(iterations * chunk_words - int(words.shape[0]), 0)]])
+  steps = (tf.clip_by_value(count, 0, cap) + chunk - 1) // chunk
+
+  def add(i, total):
+    codes = bitpack.unpack(tf.slice(padded, [i * chunk_words], [chunk_words]), chunk, bits)
+    local = tf.cast(tf.bitwise.right_shift(codes, 1), tf.int32)
+    ordinals = i * chunk + tf.range(chunk, dtype=tf.int32)
+    tensor, inside = _locate(ordinals, local, counts, lay)
+    # min(count, cap): a corrupt count above the capacity must not turn the padding
+    # after it into codes.
+    valid = (ordinals < tf.minimum(count, cap)) & inside
+    local = tf.where(valid, local, 0)
+    if lay.scale == "bin":
+      magnitude = tf.gather(scales, tf.gather(tf.constant(lay.bin_offsets, tf.int32), tensor)
+                            + local // lay.bin_size)
+    else:
+      magnitude = tf.gather(scales, tensor)
+    values = tf.where(tf.bitwise.bitwise_and(codes, 1) > 0, -magnitude, magnitude)
+    positions = tf.gather(tf.constant(lay.offsets, tf.int32), tensor) + local
+    return i + 1, tf.tensor_scatter_nd_add(total, tf.where(valid, positions, lay.total)[:, None],
+                                           tf.where(valid, values, tf.zeros_like(values)))
+
+  _, total = tf.while_loop(lambda i, _: i < steps, add, (tf.constant(0), total),
+                           maximum_iterations=iterations)
+  return total
+
+
+def _locate(ordinals, local, counts, lay: Layout):
+  """The tensor of each code of a row (by its ordinal ``ordinals`` and the counts), and
+  whether it is one of that tensor's own codes, within its capacity, at a position
+  ``local`` inside it."""
+  tensors = len(lay.sizes)
+  counts = tf.maximum(counts, 0)
+  ends = tf.cumsum(counts)
+  tensor = tf.minimum(tf.reduce_sum(tf.cast(ordinals[:, None] >= ends, tf.int32), 1),
+                      tensors - 1)
+  own = ordinals - tf.gather(ends - counts, tensor)  # the code's ordinal in its tensor
+  inside = ((ordinals < ends[-1]) & (own < tf.gather(tf.constant(lay.caps, tf.int32), tensor))
+            & (local < tf.gather(tf.constant(lay.sizes, tf.int32), tensor)))
+  return tensor, inside
