@@ -54,6 +54,7 @@ def test_every_python_block_of_the_readme_is_run():
   assert len(_python_snippets()) == tags.count("python") >= 5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(_python_snippets())))
 def test_python_snippet_runs(index, tmp_path):
   """Each snippet as a user would paste it: a fresh Python process, no TF_CONFIG."""
