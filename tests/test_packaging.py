@@ -16,6 +16,8 @@ import sys
 import sysconfig
 import tomllib
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCES = ("tf_adacomp", "examples", "pyproject.toml", "setup.py", "README.md")
 
@@ -69,6 +71,7 @@ def _check_installed(python, venv, cwd):
   return where
 
 
+@pytest.mark.slow
 def test_a_wheel_installed_elsewhere_has_the_examples_and_the_script(tmp_path):
   sources = _copy_sources(tmp_path / "src")
   wheels = tmp_path / "wheels"
@@ -81,6 +84,7 @@ def test_a_wheel_installed_elsewhere_has_the_examples_and_the_script(tmp_path):
   assert all(str(tmp_path / "venv") in path for path in where)
 
 
+@pytest.mark.slow
 def test_an_editable_install_where_wheel_and_setuptools_are_present(tmp_path):
   """The case that once lost tf_adacomp.examples: `pip install -e .` into an environment
   that already has wheel and setuptools (TensorFlow brings wheel) took pip's legacy
