@@ -28,6 +28,7 @@ def _python(code, env=None):
   return result.stdout
 
 
+@pytest.mark.slow
 def test_enable_before_tensorflow_starts_persists_the_compiled_kernels(tmp_path):
   cache = tmp_path / "xla"
   out = _python(textwrap.dedent(f"""
@@ -41,6 +42,7 @@ def test_enable_before_tensorflow_starts_persists_the_compiled_kernels(tmp_path)
   assert (os.stat(cache).st_mode & 0o777) == 0o700
 
 
+@pytest.mark.slow
 def test_enable_after_tensorflow_started_is_refused_naming_the_environment_variable():
   out = _python("""
       import tensorflow as tf
