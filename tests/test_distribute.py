@@ -61,6 +61,7 @@ def test_split_logical_devices_without_gpu_raises():
     distribute.split_logical_devices(2, device_type="GPU", memory_limit=1024)
 
 
+@pytest.mark.slow
 def test_split_logical_devices_in_a_fresh_process():
   """Before TensorFlow initialises: splits, and leaves the devices uninitialised."""
   code = textwrap.dedent("""
@@ -110,6 +111,7 @@ def test_mirrored_strategy_without_compressor_is_plain():
   assert tf.distribute.MirroredStrategy._collective_key_base == 0  # the class is untouched
 
 
+@pytest.mark.slow
 def test_mirrored_strategies_have_collective_keys_of_their_own():
   """Plain MirroredStrategy objects share collective keys; mirrored_strategy()'s do not.
 
@@ -266,6 +268,7 @@ def _worker_with_one_worker_more():
   print("NOT REFUSED", flush=True)
 
 
+@pytest.mark.slow
 def test_workers_whose_clusters_differ_fail_fast(tmp_path):
   """Real processes: both workers fail at strategy creation naming their clusters.
 
@@ -312,6 +315,7 @@ def test_tf_config_bad_arguments(addresses, index, error, message):
 # ---------------------------------------------------------------------------------------
 # The harness itself (tests/multi_worker.py), with workers that do not load TensorFlow
 
+@pytest.mark.slow
 def test_run_workers_gives_each_worker_its_tf_config(tmp_path):
   from workers import probe  # pylint: disable=g-import-not-at-top
   for target in ("workers.probe:report", probe.report):
@@ -330,6 +334,7 @@ def test_run_workers_gives_each_worker_its_tf_config(tmp_path):
       assert results[i].stdout == f"probe {i} done\n"
 
 
+@pytest.mark.slow
 def test_run_workers_kills_on_timeout_and_after_a_failure(tmp_path):
   results = run_workers("workers.probe:hang", num_workers=2, timeout=2, out_dir=tmp_path)
   assert all(r.returncode < 0 and "killed worker" in r.stderr for r in results)
