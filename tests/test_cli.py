@@ -1,8 +1,7 @@
 """The tf-adacomp console script: examples by name, and the side-by-side demo.
 
-Argument errors are checked in this process (``cli.main``); the runs (marked slow) start
-the examples' processes: one run of the console script, as a user runs it, serves the
-tests of ``train`` and of its quiet output.
+Every test that runs the command (a process) is in the slow tier; one run of the console
+script, as a user runs it, serves the tests of ``train`` and of its quiet output.
 """
 
 import json
@@ -13,7 +12,6 @@ import sys
 
 import pytest
 
-from tf_adacomp import cli
 from tf_adacomp import quiet
 
 SMOKE = ["--synthetic", "--epochs=1", "--steps_per_epoch=3", "--eval_steps=1",
@@ -43,43 +41,41 @@ def test_train_runs_an_example_by_name(console_train):
   assert "compression ratio, all" in result.stdout
 
 
-@pytest.mark.slow
-def test_a_bad_flag_value_is_named(capfd):
-  """The example's process refuses the flag (absl parses the example's flags)."""
-  code = cli.main(["train", "fashion_mnist", "--batch_size=7", "--replicas=2", "--synthetic"])
-  assert code != 0
-  assert "batch_size=7" in capfd.readouterr().err
-
-
-def _refused(argv, capsys):
-  """``cli.main(argv)``'s exit status and stderr; argparse exits before any run."""
-  with pytest.raises(SystemExit) as exit_info:
-    cli.main(argv)
-  return exit_info.value.code, capsys.readouterr().err
-
-
-def test_an_unknown_example_is_refused(capsys):
-  code, err = _refused(["train", "mnist_gan"], capsys)
-  assert code != 0 and "invalid choice: 'mnist_gan'" in err
-
-
-def test_demo_refuses_an_unknown_compressor(capsys):
-  code, err = _refused(["demo", "--compressors=adacomp,zip"], capsys)
-  assert code != 0 and "compressors='adacomp,zip'" in err
+def _cli(*args, timeout=300):
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+  return subprocess.run([sys.executable, "-m", "tf_adacomp.cli", *args], env=env,
+                        capture_output=True, text=True, timeout=timeout, check=False)
 
 
 @pytest.mark.slow
-def test_demo_prints_both_summaries_side_by_side(tmp_path, capfd):
-  """The demo's runs are processes of their own (their output reaches this one's fds)."""
-  code = cli.main(["demo", "--replicas=2", f"--model_dir={tmp_path}", *SMOKE])
-  out, err = capfd.readouterr()
-  assert code == 0, err[-3000:]
-  table = out[out.rindex("== fashion_mnist"):]
+def test_a_bad_flag_value_is_named():
+  result = _cli("train", "fashion_mnist", "--batch_size=7", "--replicas=2", "--synthetic")
+  assert result.returncode != 0
+  assert "batch_size=7" in result.stderr
+
+
+@pytest.mark.slow
+def test_an_unknown_example_is_refused():
+  result = _cli("train", "mnist_gan")
+  assert result.returncode != 0 and "invalid choice: 'mnist_gan'" in result.stderr
+
+
+@pytest.mark.slow
+def test_demo_refuses_an_unknown_compressor():
+  result = _cli("demo", "--compressors=adacomp,zip")
+  assert result.returncode != 0 and "compressors='adacomp,zip'" in result.stderr
+
+
+@pytest.mark.slow
+def test_demo_prints_both_summaries_side_by_side(tmp_path):
+  result = _cli("demo", "--replicas=2", f"--model_dir={tmp_path}", *SMOKE)
+  assert result.returncode == 0, result.stderr[-3000:]
+  table = result.stdout[result.stdout.rindex("== fashion_mnist"):]
   assert table.splitlines()[1].split() == ["compressor", "adacomp", "none"]
   for name in ("adacomp", "none"):
     assert json.loads((tmp_path / name / "summary.json").read_text())["compressor"] == name
   figure = tmp_path / "demo.png"
-  assert figure.read_bytes().startswith(b"\x89PNG") and str(figure) in out
+  assert figure.read_bytes().startswith(b"\x89PNG") and str(figure) in result.stdout
 
 
 START_UP_LINES = [  # as TensorFlow 2.21 prints them on a CPU-only machine
