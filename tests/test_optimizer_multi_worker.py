@@ -1,4 +1,7 @@
-"""CompressedOptimizer under MultiWorkerMirroredStrategy: 2 worker processes over gRPC."""
+"""CompressedOptimizer under MultiWorkerMirroredStrategy: 2 worker processes over gRPC.
+
+One job (tests/workers/compressed_fit.py) trains the plain optimizer and each
+configuration below in turn, from the same seed; the tests read its results."""
 
 import json
 
@@ -9,15 +12,23 @@ from multi_worker import WORKERS_DIR
 from multi_worker import describe
 from multi_worker import run_workers
 
+RUNS = ("plain", "none", "adacomp", "adacomp:adasum:delta")
 
-def _run(tmp_path, worker, mode, *more_args):
-  out = tmp_path / mode
-  results = run_workers(WORKERS_DIR / worker, num_workers=2, timeout=180,
-                        args=[mode, *more_args], out_dir=out)
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """One 2-worker job trains every run of RUNS in turn (one cluster start-up, one
+  TensorFlow import per worker): ``{run: (arrays, logs)}``, a list entry per worker."""
+  out = tmp_path_factory.mktemp("compressed_fit")
+  results = run_workers(WORKERS_DIR / "compressed_fit.py", num_workers=2, timeout=480,
+                        args=RUNS, out_dir=out)
   assert all(r.returncode == 0 for r in results), describe(results)
-  arrays = [dict(np.load(out / f"worker{i}.npz")) for i in range(2)]
-  logs = [json.loads((out / f"worker{i}.json").read_text()) for i in range(2)]
-  return arrays, logs
+  found = {}
+  for run in RUNS:
+    folder = out / run.replace(":", "-")  # compressed_fit.run_name
+    found[run] = ([dict(np.load(folder / f"worker{i}.npz")) for i in range(2)],
+                  [json.loads((folder / f"worker{i}.json").read_text()) for i in range(2)])
+  return found
 
 
 def _final_weights(arrays):
@@ -30,14 +41,10 @@ def _final_weights(arrays):
   return keys
 
 
-@pytest.fixture(scope="module")
-def plain_run(tmp_path_factory):
-  return _run(tmp_path_factory.mktemp("plain"), "keras_fit.py", "fix")
-
-
-def test_no_compression_trains_like_the_plain_optimizer(tmp_path, plain_run):
-  arrays, logs = _run(tmp_path, "compressed_fit.py", "none")
-  plain_arrays, _ = plain_run
+@pytest.mark.slow
+def test_no_compression_trains_like_the_plain_optimizer(runs):
+  arrays, logs = runs["none"]
+  plain_arrays, _ = runs["plain"]
   assert _final_weights(arrays) == _final_weights(plain_arrays)
   for key in _final_weights(plain_arrays):
     np.testing.assert_allclose(arrays[0][key], plain_arrays[0][key], rtol=1e-5, atol=1e-6)
@@ -46,8 +53,9 @@ def test_no_compression_trains_like_the_plain_optimizer(tmp_path, plain_run):
   assert logs[0]["stats"]["total"]["ratio"] == pytest.approx(1.0)
 
 
-def test_adacomp_over_grpc_keeps_workers_identical_and_compresses(tmp_path):
-  arrays, logs = _run(tmp_path, "compressed_fit.py", "adacomp")
+@pytest.mark.slow
+def test_adacomp_over_grpc_keeps_workers_identical_and_compresses(runs):
+  arrays, logs = runs["adacomp"]
   for key in _final_weights(arrays):
     np.testing.assert_array_equal(arrays[0][key], arrays[1][key])
   residues = [k for k in arrays[0] if k.startswith("residue_")]
@@ -60,8 +68,9 @@ def test_adacomp_over_grpc_keeps_workers_identical_and_compresses(tmp_path):
   assert logs[0]["stats"] == logs[1]["stats"]
 
 
-def test_adacomp_with_adasum_of_deltas_over_grpc(tmp_path):
-  arrays, logs = _run(tmp_path, "compressed_fit.py", "adacomp", "adasum", "delta")
+@pytest.mark.slow
+def test_adacomp_with_adasum_of_deltas_over_grpc(runs):
+  arrays, logs = runs["adacomp:adasum:delta"]
   for key in _final_weights(arrays):
     np.testing.assert_array_equal(arrays[0][key], arrays[1][key])
   for log in logs:

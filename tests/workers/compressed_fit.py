@@ -1,10 +1,17 @@
 """Worker: ``model.fit`` with ``CompressedOptimizer`` under MultiWorkerMirroredStrategy.
 
-Usage: ``compressed_fit.py COMPRESSOR [REDUCTION [ADASUM_MODE]]`` (a registered name,
-e.g. ``none`` or ``adacomp``; "sum" or "adasum"; "gradient" or "delta"). The same model, data and steps as ``keras_fit.py``, with the SGD optimizer
-wrapped in ``tf_adacomp.CompressedOptimizer``. Writes to ``$MULTI_WORKER_OUT_DIR``:
-``worker{i}.npz`` (final weights and this worker's residues) and ``worker{i}.json``
-(history, evaluation, compression statistics of the last step).
+Usage: ``compressed_fit.py RUN [RUN ...]``, each RUN one of
+  - ``plain``: the plain SGD optimizer of ``keras_fit.py`` (no wrapper), the reference;
+  - ``COMPRESSOR[:REDUCTION[:ADASUM_MODE]]``: the same SGD wrapped in
+    ``tf_adacomp.CompressedOptimizer`` (a registered name, e.g. ``none`` or ``adacomp``;
+    "sum" or "adasum"; "gradient" or "delta").
+
+The runs train one after the other in this process, under one strategy
+(``tf_adacomp.distribute.multi_worker_strategy()``): one cluster start-up for them all.
+Each is the model, data and steps of ``keras_fit.py``, from the same seed. Writes to
+``$MULTI_WORKER_OUT_DIR``, per run (``:`` in RUN becomes ``-``): ``{run}/worker{i}.npz``
+(final weights and this worker's residues) and ``{run}/worker{i}.json`` (history,
+evaluation, compression statistics of the last step).
 """
 
 import json
@@ -16,37 +23,55 @@ import numpy as np
 import keras_fit  # the plain multi-worker run: same model, data and steps
 
 
+def run_name(run):
+  """The folder of ``run``'s results (``adacomp:adasum:delta`` -> ``adacomp-adasum-delta``)."""
+  return run.replace(":", "-")
+
+
+def train(strategy, run, x, y):
+  """One run: returns (model, history, evaluation)."""
+  import tf_adacomp  # pylint: disable=g-import-not-at-top
+
+  keras.utils.set_random_seed(0)
+  with strategy.scope():
+    model = keras_fit.make_model()  # compiled with the plain SGD
+    if run != "plain":
+      compressor, reduction, adasum_mode = (run.split(":") + ["sum", "gradient"])[:3]
+      model.compile(
+          optimizer=tf_adacomp.CompressedOptimizer(
+              keras.optimizers.SGD(keras_fit.LEARNING_RATE), compressor, reduction=reduction,
+              adasum_mode=adasum_mode),
+          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+          metrics=["accuracy"])
+  history, evaluation = keras_fit.fit(model, x, y)
+  return model, history, evaluation
+
+
 def main():
   from multi_worker import worker_index, worker_out_dir  # pylint: disable=g-import-not-at-top
-  import tf_adacomp  # pylint: disable=g-import-not-at-top
   from tf_adacomp.distribute import multi_worker_strategy  # pylint: disable=g-import-not-at-top
 
-  compressor = sys.argv[1]
-  reduction = sys.argv[2] if len(sys.argv) > 2 else "sum"
-  adasum_mode = sys.argv[3] if len(sys.argv) > 3 else "gradient"
+  runs = sys.argv[1:]
+  if not runs:
+    raise SystemExit("usage: compressed_fit.py RUN [RUN ...]")
   strategy = multi_worker_strategy()
-  keras.utils.set_random_seed(0)
   x, y = keras_fit.load_digits()
-  with strategy.scope():
-    model = keras_fit.make_model()
-    model.compile(
-        optimizer=tf_adacomp.CompressedOptimizer(
-            keras.optimizers.SGD(keras_fit.LEARNING_RATE), compressor, reduction=reduction,
-            adasum_mode=adasum_mode),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"])
-  history, evaluation = keras_fit.fit(model, x, y)
   index = worker_index()
-  residues = [r.value.values[0].numpy() if hasattr(r.value, "values") else r.numpy()
-              for state in model.optimizer.residues for r in state]
-  out = worker_out_dir()
-  np.savez(out / f"worker{index}.npz",
-           **{f"final_{i}": w for i, w in enumerate(model.get_weights())},
-           **{f"residue_{i}": r for i, r in enumerate(residues)})
-  with open(out / f"worker{index}.json", "w") as f:
-    json.dump({"history": history, "evaluation": evaluation,
-               "replicas": strategy.num_replicas_in_sync,
-               "stats": model.optimizer.compression_stats()}, f)
+  for run in runs:
+    model, history, evaluation = train(strategy, run, x, y)
+    residues = [r.value.values[0].numpy() if hasattr(r.value, "values") else r.numpy()
+                for state in getattr(model.optimizer, "residues", ()) for r in state]
+    out = worker_out_dir() / run_name(run)
+    out.mkdir(parents=True, exist_ok=True)
+    np.savez(out / f"worker{index}.npz",
+             **{f"final_{i}": w for i, w in enumerate(model.get_weights())},
+             **{f"residue_{i}": r for i, r in enumerate(residues)})
+    stats = (model.optimizer.compression_stats()
+             if hasattr(model.optimizer, "compression_stats") else None)
+    with open(out / f"worker{index}.json", "w") as f:
+      json.dump({"run": run, "history": history, "evaluation": evaluation,
+                 "replicas": strategy.num_replicas_in_sync, "stats": stats}, f)
+    print(f"worker {index}: {run} trained, history {history}", flush=True)
 
 
 if __name__ == "__main__":
