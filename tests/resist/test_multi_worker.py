@@ -3,12 +3,14 @@
 import json
 
 import numpy as np
+import pytest
 
 from multi_worker import WORKERS_DIR
 from multi_worker import describe
 from multi_worker import run_workers
 
 
+@pytest.mark.slow
 def test_two_workers_train_sub_resnets_and_leave_every_exchange_identical(tmp_path):
   results = run_workers(WORKERS_DIR / "resist_fit.py", num_workers=2, timeout=180,
                         out_dir=tmp_path)
