@@ -1,4 +1,10 @@
-"""CompressedOptimizer: no strategy and MirroredStrategy on 4 logical CPU devices."""
+"""CompressedOptimizer: no strategy and MirroredStrategy on logical CPU devices.
+
+The mechanics run on 2 replicas (the code paths are those of 4; XLA compiles every kernel
+once per device) with one compressor configuration, "adacomp", so that the process
+compiles its kernels once; several tests inspect one shared run (``replicated_fit``).
+The accuracy claims on digits (4 replicas) are in the slow tier (``pytest --full``).
+"""
 
 import inspect
 
@@ -11,7 +17,8 @@ import digits_data
 import tf_adacomp
 from tf_adacomp import optimizer as optimizer_module
 
-DEVICES = [f"/cpu:{i}" for i in range(4)]
+DEVICES = ["/cpu:0", "/cpu:1"]
+DEVICES_4 = [f"/cpu:{i}" for i in range(4)]
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
@@ -20,9 +27,13 @@ def _sgd():
 
 
 def _adacomp_kernels_only():
-  # Biases go dense: half the XLA compilations (one per variable and device), which
-  # dominate these tests' time on 2 cores.
+  # Biases go dense: fewer tensors in the compiled programs.
   return tf_adacomp.AdaComp(min_size=100)
+
+
+def _strategy(devices=DEVICES, cross_device_ops=None):
+  return tf_adacomp.distribute.mirrored_strategy(devices=devices,
+                                                 cross_device_ops=cross_device_ops)
 
 
 def _fit(optimizer, strategy=None, epochs=1, steps=None, callbacks=None, seed=0):
@@ -34,122 +45,6 @@ def _fit(optimizer, strategy=None, epochs=1, steps=None, callbacks=None, seed=0)
   model.fit(x[:1024], y[:1024], batch_size=64, epochs=epochs, verbose=0, shuffle=False,
             steps_per_epoch=steps, callbacks=callbacks)
   return model
-
-
-@pytest.mark.parametrize("use_strategy", [False, True])
-def test_no_compression_matches_the_inner_optimizer(use_strategy):
-  strategy = (lambda: tf_adacomp.distribute.mirrored_strategy(devices=DEVICES)) if use_strategy else (lambda: None)
-  plain = _fit(_sgd, strategy())
-  wrapped = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "none", exchange="gradients"),
-                 strategy())
-  for a, b in zip(plain.get_weights(), wrapped.get_weights()):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-
-
-def test_adacomp_keeps_replicas_identical_and_residues_per_replica():
-  strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES)
-  model = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), _adacomp_kernels_only(),
-                                                      exchange="gradients"), strategy, steps=10)
-  for variable in model.trainable_variables:
-    copies = [v.numpy() for v in variable.value.values]
-    for other in copies[1:]:
-      np.testing.assert_array_equal(copies[0], other)
-  optimizer = model.optimizer
-  kernel_residue = optimizer.residues[0][0].value
-  per_replica = [v.numpy() for v in kernel_residue.values]
-  assert all(np.abs(r).sum() > 0 for r in per_replica)
-  assert not np.array_equal(per_replica[0], per_replica[1])
-  assert optimizer.iterations.numpy() == 10
-  stats = optimizer.compression_stats()
-  assert stats["dense"]["ratio"] > 50 and stats["total"]["sent_bytes"] > 0
-
-
-def _residue_values(optimizer):
-  return [[c.numpy() for c in r.value.values] if hasattr(r.value, "values") else [r.numpy()]
-          for state in optimizer.residues for r in state]
-
-
-def test_residues_survive_model_save_and_checkpoint(tmp_path):
-  model = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "adacomp"), steps=5)
-  residues = _residue_values(model.optimizer)
-  assert any(np.abs(r[0]).sum() > 0 for r in residues)
-  path = str(tmp_path / "model.keras")
-  model.save(path)
-  loaded = keras.saving.load_model(path)
-  assert isinstance(loaded.optimizer, tf_adacomp.CompressedOptimizer)
-  assert loaded.optimizer.compressor == model.optimizer.compressor
-  for a, b in zip(residues, _residue_values(loaded.optimizer)):
-    np.testing.assert_array_equal(a[0], b[0])
-  checkpoint = tf.train.Checkpoint(optimizer=model.optimizer)
-  saved = checkpoint.save(str(tmp_path / "ckpt"))
-  for state in model.optimizer.residues:
-    for r in state:
-      r.assign(tf.zeros_like(r))
-  checkpoint.restore(saved)
-  for a, b in zip(residues, _residue_values(model.optimizer)):
-    np.testing.assert_array_equal(a[0], b[0])
-
-
-def test_a_non_finite_step_changes_neither_residues_nor_weights():
-  strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES)
-  (x, y), _ = digits_data.flat()
-  with strategy.scope():
-    model = digits_data.mlp(0, tf_adacomp.CompressedOptimizer(_sgd(), "adacomp",
-                                                              exchange="gradients"))
-  model.fit(x[:256], y[:256], batch_size=64, epochs=1, verbose=0)
-  weights = model.get_weights()
-  residues = _residue_values(model.optimizer)
-  iterations = int(model.optimizer.iterations.numpy())
-
-  @tf.function
-  def poisoned_step(x, y):
-    def replica_fn(x, y):
-      with tf.GradientTape() as tape:
-        loss = tf.reduce_mean(LOSS(y, model(x, training=True)))
-      grads = tape.gradient(loss, model.trainable_variables)
-      # Replica 2 overflows (as float16 gradients would): only it sees inf.
-      bad = tf.equal(tf.distribute.get_replica_context().replica_id_in_sync_group, 2)
-      grads = [tf.where(bad, tf.fill(g.shape, np.inf), g) for g in grads]
-      model.optimizer.apply(grads, model.trainable_variables)
-    strategy.run(replica_fn, args=(x, y))
-
-  dataset = strategy.experimental_distribute_dataset(
-      tf.data.Dataset.from_tensor_slices((x[:64], y[:64])).batch(64))
-  poisoned_step(*next(iter(dataset)))
-  for a, b in zip(weights, model.get_weights()):
-    np.testing.assert_array_equal(a, b)
-  for a, b in zip(residues, _residue_values(model.optimizer)):
-    for ra, rb in zip(a, b):
-      np.testing.assert_array_equal(ra, rb)
-  assert int(model.optimizer.iterations.numpy()) == iterations
-
-
-@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
-def test_mixed_precision_trains(policy):
-  keras.mixed_precision.set_global_policy(policy)
-  try:
-    strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES)
-    model = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "adacomp"), strategy, epochs=2)
-  finally:
-    keras.mixed_precision.set_global_policy("float32")
-  if policy == "mixed_float16":
-    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
-  (_, _), (x_test, y_test) = digits_data.flat()
-  accuracy = np.mean(np.argmax(model.predict(x_test, verbose=0), -1) == y_test)
-  assert accuracy > 0.8
-
-
-def test_adacomp_with_4_replicas_is_within_2_percent_of_dense_on_digits():
-  (x, y), (x_test, y_test) = digits_data.flat()
-  accuracy = {}
-  for name, compressor in (("none", "none"), ("adacomp", _adacomp_kernels_only())):
-    strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES)
-    with strategy.scope():
-      model = digits_data.mlp(0, tf_adacomp.CompressedOptimizer(_sgd(), compressor))
-    model.fit(x, y, batch_size=64, epochs=20, verbose=0)  # 460 steps
-    accuracy[name] = np.mean(np.argmax(model.predict(x_test, verbose=0), -1) == y_test)
-  assert accuracy["none"] > 0.95
-  assert accuracy["adacomp"] >= accuracy["none"] - 0.02, accuracy
 
 
 def _record_exchanges(monkeypatch):
@@ -172,30 +67,163 @@ def _record_exchanges(monkeypatch):
   return seen
 
 
-def test_only_compressed_payloads_are_exchanged(monkeypatch):
-  seen = _record_exchanges(monkeypatch)
-  strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES)
-  _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "adacomp", exchange="gradients"), strategy,
-       steps=2)
+REPLICATED_STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def replicated_fit():
+  """One AdaComp run shared by the tests that only inspect it: the digits MLP on 2
+  replicas, gradient exchange, ``REPLICATED_STEPS`` steps; what the replicas exchanged
+  while its step was traced. ``(strategy, model, exchanged)``."""
+  strategy = _strategy()
+  with pytest.MonkeyPatch.context() as monkeypatch:
+    exchanged = _record_exchanges(monkeypatch)
+    model = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "adacomp", exchange="gradients"),
+                 strategy, steps=REPLICATED_STEPS)
+  return strategy, model, list(exchanged)
+
+
+@pytest.mark.parametrize("use_strategy", [False, True])
+def test_no_compression_matches_the_inner_optimizer(use_strategy):
+  strategy = _strategy if use_strategy else (lambda: None)
+  plain = _fit(_sgd, strategy(), steps=4)
+  wrapped = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "none", exchange="gradients"),
+                 strategy(), steps=4)
+  for a, b in zip(plain.get_weights(), wrapped.get_weights()):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_adacomp_keeps_replicas_identical_and_residues_per_replica(replicated_fit):
+  _, model, _ = replicated_fit
+  for variable in model.trainable_variables:
+    copies = [v.numpy() for v in variable.value.values]
+    assert len(copies) == len(DEVICES)
+    for other in copies[1:]:
+      np.testing.assert_array_equal(copies[0], other)
+  optimizer = model.optimizer
+  kernel_residue = optimizer.residues[0][0].value
+  per_replica = [v.numpy() for v in kernel_residue.values]
+  assert all(np.abs(r).sum() > 0 for r in per_replica)
+  assert not np.array_equal(per_replica[0], per_replica[1])
+  assert optimizer.iterations.numpy() == REPLICATED_STEPS
+  stats = optimizer.compression_stats()
+  assert stats["dense"]["ratio"] > 50 and stats["total"]["sent_bytes"] > 0
+
+
+def _residue_values(optimizer):
+  return [[c.numpy() for c in r.value.values] if hasattr(r.value, "values") else [r.numpy()]
+          for state in optimizer.residues for r in state]
+
+
+def test_residues_survive_model_save_and_checkpoint(tmp_path):
+  model = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "adacomp"), steps=3)
+  residues = _residue_values(model.optimizer)
+  assert any(np.abs(r[0]).sum() > 0 for r in residues)
+  path = str(tmp_path / "model.keras")
+  model.save(path)
+  loaded = keras.saving.load_model(path)
+  assert isinstance(loaded.optimizer, tf_adacomp.CompressedOptimizer)
+  assert loaded.optimizer.compressor == model.optimizer.compressor
+  for a, b in zip(residues, _residue_values(loaded.optimizer)):
+    np.testing.assert_array_equal(a[0], b[0])
+  checkpoint = tf.train.Checkpoint(optimizer=model.optimizer)
+  saved = checkpoint.save(str(tmp_path / "ckpt"))
+  for state in model.optimizer.residues:
+    for r in state:
+      r.assign(tf.zeros_like(r))
+  checkpoint.restore(saved)
+  for a, b in zip(residues, _residue_values(model.optimizer)):
+    np.testing.assert_array_equal(a[0], b[0])
+
+
+def test_a_non_finite_step_changes_neither_residues_nor_weights(replicated_fit):
+  strategy, model, _ = replicated_fit
+  (x, y), _ = digits_data.flat()
+  weights = model.get_weights()
+  residues = _residue_values(model.optimizer)
+  iterations = int(model.optimizer.iterations.numpy())
+
+  @tf.function
+  def poisoned_step(x, y):
+    def replica_fn(x, y):
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(LOSS(y, model(x, training=True)))
+      grads = tape.gradient(loss, model.trainable_variables)
+      # The last replica overflows (as float16 gradients would): only it sees inf.
+      bad = tf.equal(tf.distribute.get_replica_context().replica_id_in_sync_group,
+                     len(DEVICES) - 1)
+      grads = [tf.where(bad, tf.fill(g.shape, np.inf), g) for g in grads]
+      model.optimizer.apply(grads, model.trainable_variables)
+    strategy.run(replica_fn, args=(x, y))
+
+  dataset = strategy.experimental_distribute_dataset(
+      tf.data.Dataset.from_tensor_slices((x[:64], y[:64])).batch(64))
+  poisoned_step(*next(iter(dataset)))
+  for a, b in zip(weights, model.get_weights()):
+    np.testing.assert_array_equal(a, b)
+  for a, b in zip(residues, _residue_values(model.optimizer)):
+    for ra, rb in zip(a, b):
+      np.testing.assert_array_equal(ra, rb)
+  assert int(model.optimizer.iterations.numpy()) == iterations
+
+
+@pytest.mark.slow  # real-data training; mixed-precision mechanics (overflow on one replica,
+# loss scale, identical replicas): tests/test_optimizer_mixed_precision.py
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_trains(policy):
+  keras.mixed_precision.set_global_policy(policy)
+  try:
+    model = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "adacomp"), _strategy(),
+                 epochs=2)
+  finally:
+    keras.mixed_precision.set_global_policy("float32")
+  if policy == "mixed_float16":
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+  (_, _), (x_test, y_test) = digits_data.flat()
+  accuracy = np.mean(np.argmax(model.predict(x_test, verbose=0), -1) == y_test)
+  assert accuracy > 0.8
+
+
+# Test accuracy after each epoch (4 replicas, measured): dense 0.883 0.939 0.956 0.964
+# 0.978 0.978 0.981 ..., 0.986 after 20; AdaComp 0.867 0.931 0.953 0.975 0.978 0.978
+# 0.978 ..., 0.986 after 20. Both level off from the 5th epoch: 6 epochs (138 steps).
+EPOCHS_4 = 6
+
+
+@pytest.mark.slow  # an accuracy claim; the mechanics on 2 replicas are the tests above
+def test_adacomp_with_4_replicas_is_within_2_percent_of_dense_on_digits():
+  (x, y), (x_test, y_test) = digits_data.flat()
+  accuracy = {}
+  for name, compressor in (("none", "none"), ("adacomp", _adacomp_kernels_only())):
+    strategy = _strategy(DEVICES_4)
+    with strategy.scope():
+      model = digits_data.mlp(0, tf_adacomp.CompressedOptimizer(_sgd(), compressor))
+    model.fit(x, y, batch_size=64, epochs=EPOCHS_4, verbose=0)
+    accuracy[name] = np.mean(np.argmax(model.predict(x_test, verbose=0), -1) == y_test)
+  assert accuracy["none"] > 0.95
+  assert accuracy["adacomp"] >= accuracy["none"] - 0.02, accuracy
+
+
+def test_only_compressed_payloads_are_exchanged(replicated_fit, monkeypatch):
+  _, _, seen = replicated_fit
   gathered = [s for s in seen if s[0] == "gather"]
   assert gathered and all(dtype == tf.int32 for _, dtype, _ in gathered)
   assert not [s for s in seen if s[1].is_floating and (s[2].num_elements() or 2) > 1], seen
   # With no compression, the same step all-reduces the float32 gradients themselves,
   # joined in one buffer (one all-reduce per step, as Horovod's tensor fusion does).
-  seen.clear()
-  strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES)
+  seen = _record_exchanges(monkeypatch)
   model = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "none", exchange="gradients"),
-               strategy, steps=2)
+               _strategy(), steps=1)
   weights = sum(v.shape.num_elements() for v in model.trainable_variables)
   tensors = [s for s in seen if s[1] == tf.float32 and (s[2].num_elements() or 2) > 1]
   assert tensors and set(tensors) == {("reduce", tf.float32, tf.TensorShape([weights]))}
 
 
 def test_warm_up_sends_dense_then_compresses():
-  strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES)
+  strategy = _strategy()
   (x, y), _ = digits_data.flat()
   with strategy.scope():
-    model = digits_data.mlp(0, tf_adacomp.CompressedOptimizer(_sgd(), "adacomp", start_step=3,
+    model = digits_data.mlp(0, tf_adacomp.CompressedOptimizer(_sgd(), "adacomp", start_step=2,
                                                               exchange="gradients"))
   ratios = []
 
@@ -203,14 +231,15 @@ def test_warm_up_sends_dense_then_compresses():
     def on_train_batch_end(self, batch, logs=None):
       ratios.append(model.optimizer.compression_stats()["dense"]["ratio"])
 
-  model.fit(x[:320], y[:320], batch_size=64, epochs=1, verbose=0, callbacks=[Record()])
-  assert all(r < 1.01 for r in ratios[:3])  # dense float32 (+ the length words)
-  assert all(r > 20 for r in ratios[3:])
+  model.fit(x[:256], y[:256], batch_size=64, epochs=1, verbose=0, callbacks=[Record()])
+  assert len(ratios) == 4
+  assert all(r < 1.01 for r in ratios[:2])  # dense float32 (+ the length words)
+  assert all(r > 20 for r in ratios[2:])
   assert all(np.abs(r).sum() > 0 for r in _residue_values(model.optimizer)[0])
 
 
 def test_stats_callback_logs_ratios(tmp_path):
-  model = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "adacomp"), steps=4,
+  model = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "adacomp"), steps=3,
                callbacks=[tf_adacomp.CompressionStats(log_dir=str(tmp_path / "tb"))])
   history = model.history.history
   assert history["compression_ratio"][0] > 20
@@ -221,8 +250,8 @@ def test_stats_callback_logs_ratios(tmp_path):
 
 def test_stats_callback_reads_compressed_all_reduce():
   ops = tf_adacomp.CompressedAllReduce(_adacomp_kernels_only())
-  strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES, cross_device_ops=ops)
-  model = _fit(_sgd, strategy, steps=3, callbacks=[tf_adacomp.CompressionStats()])
+  model = _fit(_sgd, _strategy(cross_device_ops=ops), steps=2,
+               callbacks=[tf_adacomp.CompressionStats()])
   assert model.history.history["compression_ratio"][0] > 20
 
 
