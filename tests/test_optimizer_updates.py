@@ -186,11 +186,22 @@ def _assert_replicas_hold(model, strategy, expected, rtol=1e-5, atol=1e-6):
 # --- The update exchange ------------------------------------------------------------
 
 
-def test_update_exchange_without_compression_is_the_mean_of_local_momentum_steps():
+def _uncompressed_updates():
+  return tf_adacomp.CompressedOptimizer(keras.optimizers.SGD(LR, momentum=MOMENTUM), "none",
+                                        exchange="updates")
+
+
+@pytest.fixture(scope="module")
+def uncompressed_fit():
+  """The update exchange without compression, 3 replicas, 2 steps: shared by the tests
+  that inspect it. ``(replicas, steps, start weights, model, strategy)``."""
   replicas, steps = 3, 2
-  start, model, strategy = _fit(lambda: tf_adacomp.CompressedOptimizer(
-      keras.optimizers.SGD(LR, momentum=MOMENTUM), "none", exchange="updates"),
-      replicas, steps)
+  return (replicas, steps, *_fit(_uncompressed_updates, replicas, steps))
+
+
+def test_update_exchange_without_compression_is_the_mean_of_local_momentum_steps(
+    uncompressed_fit):
+  replicas, steps, start, model, strategy = uncompressed_fit
   expected, _, local, _ = reference_updates(start, replicas, steps, NumpySGD)
   _assert_replicas_hold(model, strategy, expected)
   assert int(model.optimizer.iterations.numpy()) == steps
@@ -201,14 +212,13 @@ def test_update_exchange_without_compression_is_the_mean_of_local_momentum_steps
   assert not np.allclose(kernel_velocity[0], kernel_velocity[1])
 
 
-def test_update_exchange_checkpoints_the_mean_of_the_replicas_slots(tmp_path):
+def test_update_exchange_checkpoints_the_mean_of_the_replicas_slots(tmp_path,
+                                                                    uncompressed_fit):
   # Each replica's velocity is its own (on-read): a checkpoint must store their mean, and
   # a restore (here without a strategy, one replica) must read that mean, not replica
   # 0's copy.
-  replicas, steps = 3, 2
-  make = lambda: tf_adacomp.CompressedOptimizer(  # noqa: E731
-      keras.optimizers.SGD(LR, momentum=MOMENTUM), "none", exchange="updates")
-  start, model, strategy = _fit(make, replicas, steps)
+  replicas, steps, start, model, strategy = uncompressed_fit
+  make = _uncompressed_updates
   _, _, local, _ = reference_updates(start, replicas, steps, NumpySGD)
   mean = [np.mean([local[r].moments[v] for r in range(replicas)], axis=0)
           for v in range(len(start))]
