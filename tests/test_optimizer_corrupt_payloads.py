@@ -34,11 +34,14 @@ def _states(optimizer):
   return [[c.numpy() for c in r.value.values] for state in optimizer.residues for r in state]
 
 
-# Each case compiles the kernels anew (a new strategy): the kinds are spread over the
-# two exchanges rather than crossed with them.
+# The kinds are spread over the two exchanges rather than crossed with them; the fast
+# tier takes one kind per exchange (a count the decoder must refuse, every word
+# corrupted), the other two run with --full.
 @pytest.mark.parametrize("exchange, kind", [
-    ("gradients", "count_above_capacity"), ("gradients", "random_words"),
-    ("updates", "negative_count"), ("updates", "flipped_bits")])
+    ("gradients", "count_above_capacity"),
+    pytest.param("gradients", "random_words", marks=pytest.mark.slow),
+    pytest.param("updates", "negative_count", marks=pytest.mark.slow),
+    ("updates", "flipped_bits")])
 def test_a_corrupt_payload_skips_the_step_and_keeps_weights_and_residues(
     monkeypatch, exchange, kind):
   strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES)
