@@ -12,6 +12,7 @@ from tf_adacomp.examples import flags_and_config
 from tf_adacomp.examples import training
 
 
+@pytest.mark.slow
 def test_trains_with_resist_and_reports_bytes_per_round(tmp_path):
   config = example_runs.small_config(cifar10_resist, tmp_path, synthetic=True, depth=14,
                                      width=4, local_steps=2)

@@ -33,14 +33,22 @@ def test_augment_pads_crops_and_flips():
   assert set(np.unique(out.numpy())) <= set(np.unique(image.numpy())) | {0.0}
 
 
-def test_trains_on_the_tfds_pipeline(tmp_path):
-  config = example_runs.small_config(cifar10_resnet, tmp_path, compressor="fp16",
-                                     data_dir=str(tmp_path / "tfds"))
+def test_the_tfds_pipeline_gives_normalised_images(tmp_path):
+  config = flags_and_config.make_config(cifar10_resnet, data_dir=str(tmp_path / "tfds"))
   with tfds.testing.mock_data(num_examples=16):
     data = cifar10_resnet.load_data(config)
-    x, y = next(iter(data.train.batch(4)))
-    assert x.shape == (4, 32, 32, 3) and y.dtype == tf.int32
-    assert abs(float(tf.reduce_mean(x))) < 3.0  # normalised
+  x, y = next(iter(data.train.batch(4)))
+  assert x.shape == (4, 32, 32, 3) and y.dtype == tf.int32
+  assert abs(float(tf.reduce_mean(x))) < 3.0  # normalised
+
+
+@pytest.mark.slow
+def test_trains_on_the_tfds_pipeline(tmp_path):
+  # One replica (one compile of the step): the replicas' exchange is tested elsewhere.
+  config = example_runs.small_config(cifar10_resnet, tmp_path, compressor="fp16",
+                                     replicas=1, eval_steps=1,
+                                     data_dir=str(tmp_path / "tfds"))
+  with tfds.testing.mock_data(num_examples=16):
     summary = training.train(cifar10_resnet, config)
   example_runs.check_summary(summary, tmp_path, kinds=("conv", "dense", "vector"))
   assert summary["compression_ratio"] == pytest.approx(2.0, rel=0.01)  # float16

@@ -97,6 +97,7 @@ def test_compressor_options_reach_the_compressor():
   assert topk.density == 0.05
 
 
+@pytest.mark.slow
 def test_cross_device_ops_exchange_trains_and_is_measured(tmp_path):
   """--exchange=cross_device_ops: CompressedAllReduce in the strategy, plain optimizer."""
   config = example_runs.small_config(fashion_mnist, tmp_path, synthetic=True,
@@ -106,6 +107,7 @@ def test_cross_device_ops_exchange_trains_and_is_measured(tmp_path):
   assert summary["compression"]["dense"]["ratio"] > 10
 
 
+@pytest.mark.slow
 def test_a_rerun_resumes_from_the_model_dir(tmp_path):
   """Weights, optimizer state and residues come back; training continues, not restarts."""
   first = example_runs.small_config(fashion_mnist, tmp_path, synthetic=True,

@@ -66,6 +66,7 @@ def test_the_installed_files_are_the_real_dataset():
   assert np.bincount(arrays["train"][1]).tolist() == [6000] * 10
 
 
+@pytest.mark.slow
 def test_trains_with_adacomp_and_writes_its_summary(tmp_path):
   """Real files when installed (synthetic data otherwise): a few AdaComp steps."""
   config = example_runs.small_config(fashion_mnist, tmp_path, compressor="adacomp",

@@ -5,11 +5,14 @@ is tested in tests/test_optimizer_multi_worker.py.)"""
 
 import json
 
+import pytest
+
 import multi_worker
 
 SCRIPT = multi_worker.PROJECT_ROOT / "examples" / "fashion_mnist.py"
 
 
+@pytest.mark.slow
 def test_fashion_mnist_trains_on_two_workers_compressed(tmp_path):
   model_dir = tmp_path / "model"
   results = multi_worker.run_workers(
