@@ -59,6 +59,11 @@ def _train(compressor, steps=150, learners=4, batch_size=128, seed=0):
   return accuracy, simulate.compression_report(trainer.plans, sent_steps)
 
 
+# Real-data accuracy: the slow tier. Measured (test accuracy, dense / AdaComp): 0.964 /
+# 0.958 after 100 steps, 0.983 / 0.969 after 120, 0.986 / 0.986 after 150; AdaComp trails
+# early on (0.82 after 50), so the run keeps its 150 steps. The simulated exchange itself
+# is checked exactly in the fast tier (test_no_compression_equals_full_batch_sgd).
+@pytest.mark.slow
 def test_adacomp_keeps_dense_accuracy_on_digits():
   (dense, dense_ratio), (adacomp, ratio) = _train("none"), _train("adacomp")
   assert dense > 0.9
