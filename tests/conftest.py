@@ -27,6 +27,14 @@ if _CACHE_OWNER not in os.environ:
   os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="tf_adacomp-test-cache-")
   os.environ[_CACHE_OWNER] = f"{os.getpid()}:{os.environ['XDG_CACHE_HOME']}"
 
+# The tests compile hundreds of small XLA programs, most run a few times on small
+# tensors: LLVM's optimisation passes cost more compile time than they save there (about
+# a fifth of a kernel test file's CPU time). Set before TensorFlow reads XLA_FLAGS; the
+# processes the tests start inherit it.
+_XLA_OPT = "--xla_backend_optimization_level"
+if _XLA_OPT not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_XLA_OPT}=0".strip()
+
 import tensorflow as tf  # noqa: E402  pylint: disable=g-import-not-at-top
 
 import tiers  # noqa: E402  (tests/, on sys.path as for every test module)

@@ -20,6 +20,7 @@ from tf_adacomp.ops import adacomp_decompress
 from tf_adacomp.ops import payload_nbytes
 from tf_adacomp.ops import payload_words
 from tf_adacomp.ops import adacomp_core
+import tiers
 
 NP_DTYPES = {
     "float16": np.float16,
@@ -353,7 +354,7 @@ def test_error_feedback_over_steps(shape, bin_size, grad_dtype, max_density):
     ([1000], 0.01),      # B = 32, C = 10
     ([1000], 0.25),
     ([64, 33], 0.1),     # n = 2112, B = 66
-    ([3, 3, 16, 32], 0.05),  # n = 4608, B = 144
+    pytest.param([3, 3, 16, 32], 0.05, marks=pytest.mark.slow),  # n = 4608, B = 144
 ], ids=str)
 def test_capacity_keeps_the_lowest_positions(shape, max_density):
   rng = np.random.default_rng(5)
@@ -673,7 +674,7 @@ def test_decompress_short_payload():
 # ------------------------------------------------------------- encoder slot tiers
 
 
-@pytest.mark.parametrize("max_density", [1.0, 0.25])
+@pytest.mark.parametrize("max_density", [1.0, pytest.param(0.25, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("residue_scale,expect_small_tier", [(20.0, True), (0.0, False)])
 def test_sparse_and_dense_selections_use_either_encoder_tier(
     max_density, residue_scale, expect_small_tier):
@@ -724,7 +725,7 @@ def test_decoding_reads_only_the_counted_codes_in_every_decoder_chunk():
   np.testing.assert_array_equal(summed, expected)
 
 
-@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.settings(max_examples=tiers.examples(60), deadline=None)
 @hypothesis.given(
     counts=st.lists(st.integers(0, 750), min_size=1, max_size=3),
     scale=st.sampled_from([1e-40, 1e-3, 0.75, 3.0e38]),  # subnormal to near float32's max
@@ -805,8 +806,10 @@ PER_BIN_SHAPE = [64, 33]  # 2,112 elements: 43 bins of 50, the last of 12
     (PER_BIN_SHAPE, 50, "float32", 1.0),
     ([3, 3, 16, 32], 50, "float32", 0.05),   # the cap holds some back
     ([51], 50, "bfloat16", 1.0),              # a short last bin, odd number of bins
-    ([7, 9], 1, "float16", 1.0),              # one element per bin
-    ([3, 4, 5], 500, "float64", 1.0),         # one bin, float64 compute
+    pytest.param([7, 9], 1, "float16", 1.0,   # one element per bin
+                 marks=pytest.mark.slow),
+    pytest.param([3, 4, 5], 500, "float64", 1.0,  # one bin, float64 compute
+                 marks=pytest.mark.slow),
     ([0], 7, "float32", 1.0),
 ], ids=str)
 def test_per_bin_matches_reference(shape, bin_size, grad_dtype, max_density):

@@ -13,6 +13,7 @@ import numpy_reference as ref
 from tf_adacomp.ops import adacomp
 from tf_adacomp.ops import adacomp_bucket
 from tf_adacomp.ops import adacomp_core
+import tiers
 
 
 def _random(shapes, rng, dtype=np.float32, scale=1.0):
@@ -96,9 +97,13 @@ CONV_LIKE = ([(3, 3, 8, 16), (16,), (3, 3, 16, 16), (7,)], 50)
 EVERY_ELEMENT = ([(3000,), (40, 50)], 1)
 
 
+# The fast tier keeps one bucket per scale; the others (and the hypothesis search below)
+# run in the whole suite.
 @pytest.mark.parametrize("bucket,max_density,scale", [
-    (MLP_LIKE, 0.25, "tensor"), (MLP_LIKE, 1.0, "bin"),
-    (CONV_LIKE, 0.01, "tensor"), (CONV_LIKE, 0.25, "bin"), (EVERY_ELEMENT, 1.0, "tensor")])
+    pytest.param(MLP_LIKE, 0.25, "tensor", marks=pytest.mark.slow),
+    pytest.param(MLP_LIKE, 1.0, "bin", marks=pytest.mark.slow),
+    (CONV_LIKE, 0.01, "tensor"), (CONV_LIKE, 0.25, "bin"),
+    pytest.param(EVERY_ELEMENT, 1.0, "tensor", marks=pytest.mark.slow)])
 def test_a_bucket_is_bit_identical_to_per_tensor_kernels(bucket, max_density, scale):
   # Short last bins, tensors smaller than a word, and capacities that overflow.
   shapes, bin_size = bucket
@@ -110,6 +115,7 @@ def test_a_bucket_is_bit_identical_to_per_tensor_kernels(bucket, max_density, sc
 
 # Sizes from a few values (each new layout compiles two kernels): around a word, a bin
 # and capacities of one code.
+@pytest.mark.slow
 @hypothesis.settings(max_examples=8, deadline=None)
 @hypothesis.given(
     sizes=st.lists(st.sampled_from([1, 3, 31, 33, 64, 501, 700]), min_size=1, max_size=4),
@@ -122,11 +128,12 @@ def test_any_bucket_is_bit_identical_to_per_tensor_kernels(sizes, bin_size, max_
   _check_bit_identical([(n,) for n in sizes], bin_size, max_density, scale, seed)
 
 
+@pytest.mark.slow  # float64 decoding: also tests/ops/test_adacomp.py's float64 reference cases
 def test_float64_buckets_are_bit_identical_too():
   _check_bit_identical([(40, 30), (30,)], 50, 0.25, "tensor", 3, dtype=np.float64)
 
 
-@pytest.mark.parametrize("scale", ["tensor", "bin"])
+@pytest.mark.parametrize("scale", ["tensor", pytest.param("bin", marks=pytest.mark.slow)])
 def test_one_non_finite_tensor_keeps_its_residue_and_decodes_to_nan_alone(scale):
   grads, residues, payload = _check_bit_identical(
       [(200,), (3, 100), (64,)], 50, 0.25, scale, 4, nan_at=1)
@@ -188,7 +195,7 @@ def test_a_payload_that_does_not_match_its_layout_decodes_to_nan_everywhere(word
     assert np.isnan(decoded.numpy()).all()
 
 
-@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.settings(max_examples=tiers.examples(40), deadline=None)
 @hypothesis.given(seed=st.integers(0, 2**31 - 1), keep_header=st.booleans())
 def test_random_words_never_crash_and_never_write_outside_their_tensors(seed, keep_header):
   payload, shapes = _bucket_payload()

@@ -27,6 +27,7 @@ from tf_adacomp.ops import adacomp_bucket
 from tf_adacomp.ops import adacomp_core
 from tf_adacomp.ops import fft as fft_ops
 from tf_adacomp.ops import topk as topk_ops
+import tiers
 
 # Hostile words hold signalling NaNs: NumPy warns when it widens them (they stay NaN).
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered in cast")
@@ -54,7 +55,7 @@ FFT_SHAPE, FFT_THETA, FFT_E, FFT_M = (40, 25), 0.9, 4, 3
 KINDS = ["valid", "positions_beyond", "count_above_cap", "negative_count", "bits",
          "nonfinite_scale", "random"]
 
-SETTINGS = dict(max_examples=50, deadline=None,
+SETTINGS = dict(max_examples=tiers.examples(50), deadline=None,
                 suppress_health_check=[hypothesis.HealthCheck.too_slow])
 
 

@@ -26,6 +26,7 @@ import tensorflow as tf
 
 import numpy_reference as ref
 from tf_adacomp.ops import adacomp
+import tiers
 
 # float64 maxima beyond float32 overflow when the reference rounds them.
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered")
@@ -142,7 +143,7 @@ def _check_bin_scale(payload, new_residue, decoded, grad, residue, bin_size):
   _same(decoded.reshape(-1), r.q.astype(decoded.dtype))
 
 
-@hypothesis.settings(max_examples=80, deadline=None,
+@hypothesis.settings(max_examples=tiers.examples(80), deadline=None,
                      suppress_health_check=[hypothesis.HealthCheck.too_slow])
 @hypothesis.given(case=st.sampled_from(CASES), scale=st.sampled_from(["tensor", "bin"]),
                   magnitude=st.sampled_from(MAGNITUDES), seed=st.integers(0, 2**32 - 1))
