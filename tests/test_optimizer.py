@@ -1,8 +1,10 @@
 """CompressedOptimizer: no strategy and MirroredStrategy on logical CPU devices.
 
 The mechanics run on 2 replicas (the code paths are those of 4; XLA compiles every kernel
-once per device) with one compressor configuration, "adacomp", so that the process
-compiles its kernels once; several tests inspect one shared run (``replicated_fit``).
+once per device) with one compressor configuration, AdaComp(min_size=100) (kernels
+compressed, biases dense: as tests/test_optimizer_restore.py, test_optimizer_corrupt_
+payloads.py and test_backup.py), so that a process compiles its programs once; several
+tests inspect one shared run (``replicated_fit``).
 The accuracy claims on digits (4 replicas) are in the slow tier (``pytest --full``).
 """
 
@@ -27,7 +29,8 @@ def _sgd():
 
 
 def _adacomp_kernels_only():
-  # Biases go dense: fewer tensors in the compiled programs.
+  # Biases go dense (fewer than 100 elements): the configuration of the other tests of
+  # the digits MLP, whose compiled programs a process then shares.
   return tf_adacomp.AdaComp(min_size=100)
 
 
@@ -78,7 +81,8 @@ def replicated_fit():
   strategy = _strategy()
   with pytest.MonkeyPatch.context() as monkeypatch:
     exchanged = _record_exchanges(monkeypatch)
-    model = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "adacomp", exchange="gradients"),
+    model = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), _adacomp_kernels_only(),
+                                                        exchange="gradients"),
                  strategy, steps=REPLICATED_STEPS)
   return strategy, model, list(exchanged)
 
@@ -116,7 +120,7 @@ def _residue_values(optimizer):
 
 
 def test_residues_survive_model_save_and_checkpoint(tmp_path):
-  model = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "adacomp"), steps=3)
+  model = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), _adacomp_kernels_only()), steps=3)
   residues = _residue_values(model.optimizer)
   assert any(np.abs(r[0]).sum() > 0 for r in residues)
   path = str(tmp_path / "model.keras")
@@ -205,10 +209,16 @@ def test_adacomp_with_4_replicas_is_within_2_percent_of_dense_on_digits():
 
 
 def test_only_compressed_payloads_are_exchanged(replicated_fit, monkeypatch):
-  _, _, seen = replicated_fit
+  """The kernels travel as int32 payloads only; the biases, which the compressor sends
+  dense (min_size), as one joined float32 all-reduce."""
+  _, model, seen = replicated_fit
   gathered = [s for s in seen if s[0] == "gather"]
   assert gathered and all(dtype == tf.int32 for _, dtype, _ in gathered)
-  assert not [s for s in seen if s[1].is_floating and (s[2].num_elements() or 2) > 1], seen
+  sizes = [v.shape.num_elements() for v in model.trainable_variables]
+  dense = sum(n for n in sizes if n < 100)
+  assert dense == 64 + 10 and max(sizes) == 64 * 64
+  floats = {s for s in seen if s[1].is_floating and (s[2].num_elements() or 2) > 1}
+  assert floats == {("reduce", tf.float32, tf.TensorShape([dense]))}, seen
   # With no compression, the same step all-reduces the float32 gradients themselves,
   # joined in one buffer (one all-reduce per step, as Horovod's tensor fusion does).
   seen = _record_exchanges(monkeypatch)
@@ -223,8 +233,8 @@ def test_warm_up_sends_dense_then_compresses():
   strategy = _strategy()
   (x, y), _ = digits_data.flat()
   with strategy.scope():
-    model = digits_data.mlp(0, tf_adacomp.CompressedOptimizer(_sgd(), "adacomp", start_step=2,
-                                                              exchange="gradients"))
+    model = digits_data.mlp(0, tf_adacomp.CompressedOptimizer(
+        _sgd(), _adacomp_kernels_only(), start_step=2, exchange="gradients"))
   ratios = []
 
   class Record(keras.callbacks.Callback):
@@ -239,8 +249,8 @@ def test_warm_up_sends_dense_then_compresses():
 
 
 def test_stats_callback_logs_ratios(tmp_path):
-  model = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), "adacomp"), steps=3,
-               callbacks=[tf_adacomp.CompressionStats(log_dir=str(tmp_path / "tb"))])
+  model = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), _adacomp_kernels_only()),
+               steps=3, callbacks=[tf_adacomp.CompressionStats(log_dir=str(tmp_path / "tb"))])
   history = model.history.history
   assert history["compression_ratio"][0] > 20
   assert history["compression_ratio_dense"][0] > history["compression_ratio_vector"][0]
@@ -248,6 +258,9 @@ def test_stats_callback_logs_ratios(tmp_path):
   assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow  # CompressedAllReduce's kernels: the fast tier reads its bytes through
+# CompressionStats in test_cross_device_ops.py (test_warm_up_steps_count_the_dense_bytes_
+# they_send).
 def test_stats_callback_reads_compressed_all_reduce():
   ops = tf_adacomp.CompressedAllReduce(_adacomp_kernels_only())
   model = _fit(_sgd, _strategy(cross_device_ops=ops), steps=2,
