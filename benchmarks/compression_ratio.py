@@ -84,6 +84,7 @@ def measure(model, args):
     flags.append(f"--text_files={args.text_files or shakespeare_files(args.data_dir)}")
   if args.synthetic:
     flags.append("--synthetic")
+  flags += args.example_flag
   runs = {}
   for compressor in args.compressors:
     extra = [f"--compressor={compressor}"]
@@ -169,6 +170,9 @@ def main(argv=None):
   parser.add_argument("--work_dir", default="out/compression_ratio",
                       help="each run's model_dir (deleted first)")
   parser.add_argument("--synthetic", action="store_true", help="random data (smoke runs)")
+  parser.add_argument("--example_flag", action="append", default=[],
+                      help="one more flag for every example run, repeatable (smoke runs: "
+                      "e.g. --example_flag=--lstm_units=32)")
   parser.add_argument("--json", default="out/compression_ratio.json")
   parser.add_argument("--plot", default="out/compression_ratio.png", help="'' for none")
   args = parser.parse_args(argv)

@@ -28,9 +28,13 @@ def _ok(result):
   return result.stdout
 
 
+@pytest.mark.slow
 def test_compression_ratio_per_kind_and_layer_with_topk_at_adacomp_density(tmp_path):
+  # A narrow LSTM over short windows: the same six variables, a fraction of the work.
   out = _ok(_run("compression_ratio.py", "--models=lstm", "--compressors=adacomp,topk",
                  "--steps=2", "--eval_steps=1", "--replicas=2", "--synthetic",
+                 "--example_flag=--lstm_units=32", "--example_flag=--seq_length=8",
+                 "--example_flag=--embedding_dim=8",
                  f"--json={tmp_path / 'r.json'}", f"--plot={tmp_path / 'r.png'}",
                  f"--work_dir={tmp_path / 'runs'}"))
   assert "recurrent" in out and "lstm_cell/recurrent_kernel" in out
@@ -45,9 +49,11 @@ def test_compression_ratio_per_kind_and_layer_with_topk_at_adacomp_density(tmp_p
   assert (tmp_path / "r.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_step_time_ratios_to_the_dense_step(tmp_path):
   out = _ok(_run("step_time.py", "--replicas=2", "--compressors=adacomp", "--steps=2",
-                 "--skip=1", "--synthetic", f"--json={tmp_path / 's.json'}"))
+                 "--skip=1", "--batch_size=16", "--synthetic",
+                 f"--json={tmp_path / 's.json'}"))
   assert "target (AdaComp <= 1.3x dense) at N=2" in out
   rows = json.loads((tmp_path / "s.json").read_text())["rows"]
   assert [(r["replicas"], r["compressor"]) for r in rows] == [(2, "none"), (2, "adacomp")]
@@ -55,6 +61,7 @@ def test_step_time_ratios_to_the_dense_step(tmp_path):
   assert rows[1]["compression_ratio"] > 10
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not netns.available(), reason="needs root and iproute2 (ip netns, tc)")
 def test_network_runs_workers_across_limited_namespaces_and_cleans_up(tmp_path):
   out = _ok(_run("network.py", "--models=mlp", "--rates=100mbit",
@@ -85,5 +92,7 @@ def test_network_runs_workers_across_limited_namespaces_and_cleans_up(tmp_path):
     ("network.py", ["--compressors=adacomp+fast"], "compressor='adacomp+fast'"),
 ])
 def test_bad_arguments_are_named(script, flags, named):
+  """The script stops at its argument checks, before it imports TensorFlow: a fraction
+  of a second, fast tier."""
   result = _run(script, *flags, timeout=120)
   assert result.returncode == 2 and named in result.stderr, result.stderr
