@@ -165,6 +165,10 @@ def test_exchange_under_mirrored_strategy_is_bit_identical_on_every_replica():
   assert counters[0].tolist() == [2] * replicas
 
 
+# Real-data training: the slow tier. The fast tier runs the wrapper with FFT payloads in
+# tests/test_optimizer_restore.py (its step counters, on every replica, follow the
+# optimizer's iterations) and the exchange above (bit-identical on every replica).
+@pytest.mark.slow
 def test_keras_fit_with_the_optimizer_wrapper_learns_digits():
   """model.fit with CompressedOptimizer(compressor="fft") on 2 replicas, real digits."""
   import digits_data  # pylint: disable=g-import-not-at-top
