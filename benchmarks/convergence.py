@@ -1,9 +1,9 @@
 """Convergence parity: test accuracy against steps, dense and compressed.
 
 For each model, each variant and each seed, trains with ``model.fit`` under a
-MirroredStrategy over 4 logical CPU devices (4 replicas), the same data order, initial
-weights, step budget and hyper-parameters for every variant, and measures test accuracy
-on a fixed test subset every ``--eval_every`` steps. Models (small enough for CPUs):
+MirroredStrategy over 4 logical CPU devices (4 replicas; ``--replicas``), the same data
+order, initial weights, step budget and hyper-parameters for every variant, and measures
+test accuracy on a fixed test subset every ``--eval_every`` steps. Models (small enough for CPUs):
 
 - ``mlp``: a wide MLP (784-W-W-10, W = --width) on Fashion-MNIST, SGD 0.05 momentum 0.9;
 - ``cnn``: the Fashion-MNIST CNN of examples/fashion_mnist.py, SGD 0.05 momentum 0.9;
@@ -93,6 +93,8 @@ def parse(argv=None):
   parser.add_argument("--learning_rates", default="",
                       help="e.g. mlp=0.001 (default per model)")
   parser.add_argument("--eval_every", type=int, default=25)
+  parser.add_argument("--replicas", type=int, default=REPLICAS,
+                      help="logical CPU devices, one replica each (4)")
   parser.add_argument("--width", type=int, default=1024, help="the MLP's hidden width")
   parser.add_argument("--lstm_units", type=int, default=256)
   parser.add_argument("--seq_length", type=int, default=64)
@@ -131,6 +133,8 @@ def parse(argv=None):
       parser.error(f"--{name} names models from {tuple(MODELS)}. Received: {name}={option!r}")
   if set(args.optimizers.values()) - {"sgd", "adam"}:
     parser.error(f"--optimizers takes sgd or adam. Received: optimizers={args.optimizers!r}")
+  if args.replicas < 1:
+    parser.error(f"--replicas must be >= 1. Received: replicas={args.replicas}")
   if any(s < 1 for s in args.steps.values()) or args.eval_every < 1:
     parser.error(f"--steps and --eval_every must be >= 1. Received: steps={args.steps!r}, "
                  f"eval_every={args.eval_every}")
@@ -318,8 +322,8 @@ def aggregate(runs, dense):
   return row
 
 
-def print_table(model, s, rows):
-  print(f"\n{model}: {REPLICAS} replicas, {s['steps']} steps x global batch {s['batch']}, "
+def print_table(model, s, rows, replicas=REPLICAS):
+  print(f"\n{model}: {replicas} replicas, {s['steps']} steps x global batch {s['batch']}, "
         f"{s['optimizer']} {s['lr']}; target {s['target']:.2f}")
   print(f"{'variant':<26}{'final acc (min-max)':>24}{'gap pts (min,max)':>22}"
         f"{'steps to tgt':>14}{'x dense':>9}  compression per kind")
@@ -354,7 +358,7 @@ def check_targets(model, rows):
   return verdicts
 
 
-def plot(path, results):
+def plot(path, results, replicas=REPLICAS):
   plt = report.pyplot()
   models = list(results)
   fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
@@ -366,7 +370,7 @@ def plot(path, results):
       line, = ax.plot(steps, mean, label=variant, lw=2 if variant == "none" else 1.2)
       ax.fill_between(steps, [min(a) for a in accs], [max(a) for a in accs],
                       color=line.get_color(), alpha=0.15)
-    ax.set_title(f"{model} ({REPLICAS} replicas, {len(runs)} seeds)")
+    ax.set_title(f"{model} ({replicas} replicas, {len(runs)} seeds)")
     ax.set_xlabel("step")
     ax.set_ylabel("test accuracy")
     ax.grid(alpha=0.3)
@@ -380,12 +384,12 @@ def main(argv=None):
 
   from tf_adacomp import distribute  # pylint: disable=g-import-not-at-top
 
-  devices = distribute.split_logical_devices(REPLICAS, "CPU")
+  devices = distribute.split_logical_devices(args.replicas, "CPU")
   strategy = distribute.mirrored_strategy(devices=devices)
   del tf
   result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                         "python": sys.version.split()[0]},
-            "replicas": REPLICAS, "args": {k: v for k, v in vars(args).items()},
+            "replicas": args.replicas, "args": {k: v for k, v in vars(args).items()},
             "skipped": {}, "models": {}}
   variants = []
   for variant in args.variants:
@@ -424,7 +428,7 @@ def main(argv=None):
               f"{run['train_seconds']:.0f} s", flush=True)
     dense = runs.get("none")
     rows = {v: aggregate(r, dense) for v, r in runs.items()}
-    print_table(model, s, rows)
+    print_table(model, s, rows, args.replicas)
     verdicts = check_targets(model, rows)
     for name, v in verdicts.items():
       if v:
@@ -434,7 +438,7 @@ def main(argv=None):
                                "runs": runs}
     # After every model, so that a long run that is stopped keeps what it measured.
     report.write_json(args.json, result)
-    plot(args.plot, result["models"])
+    plot(args.plot, result["models"], args.replicas)
   report.write_json(args.json, result)
   return result
 

@@ -18,13 +18,17 @@ def _run(*flags, timeout=600):
                         env=ENV, timeout=timeout, check=False)
 
 
+@pytest.mark.slow
 def test_smoke_dense_and_per_bin_adacomp(tmp_path):
+  # 2 replicas, not the benchmark's 4: each program compiles once per replica device.
   result = _run("--smoke", "--synthetic", "--models=mlp", "--variants=none,adacomp-bin",
                 "--seeds=0", "--optimizers=mlp=adam", "--learning_rates=mlp=0.001",
+                "--replicas=2",
                 f"--json={tmp_path / 'c.json'}", f"--plot={tmp_path / 'c.png'}")
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   assert "gap pts" in result.stdout and "targets, adacomp-bin" in result.stdout
   out = json.loads((tmp_path / "c.json").read_text())
+  assert out["replicas"] == 2
   assert out["models"]["mlp"]["settings"]["optimizer"] == "adam"
   assert out["models"]["mlp"]["settings"]["lr"] == 0.001
   rows = out["models"]["mlp"]["rows"]
@@ -42,7 +46,10 @@ def test_smoke_dense_and_per_bin_adacomp(tmp_path):
     (["--steps=mlp=0"], "steps={'mlp': 0}"),
     (["--optimizers=mlp=rmsprop"], "optimizers={'mlp': 'rmsprop'}"),
     (["--learning_rates=vgg=0.1"], "learning_rates={'vgg': 0.1}"),
+    (["--replicas=0"], "replicas=0"),
 ])
 def test_bad_arguments_are_named(flags, named):
+  """The script stops at its argument checks, before it imports TensorFlow: a fraction
+  of a second, fast tier."""
   result = _run(*flags, timeout=120)
   assert result.returncode == 2 and named in result.stderr, result.stderr
