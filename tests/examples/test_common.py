@@ -109,12 +109,15 @@ def test_cross_device_ops_exchange_trains_and_is_measured(tmp_path):
 
 @pytest.mark.slow
 def test_a_rerun_resumes_from_the_model_dir(tmp_path):
-  """Weights, optimizer state and residues come back; training continues, not restarts."""
+  """Weights, optimizer state and residues come back; training continues, not restarts.
+
+  One replica (each run compiles its step once): restoring residues across replicas is
+  tested in tests/test_optimizer_restore.py."""
   first = example_runs.small_config(fashion_mnist, tmp_path, synthetic=True,
-                                    compressor="topk")
+                                    compressor="topk", replicas=1, eval_steps=1)
   training.train(fashion_mnist, first)
   again = example_runs.small_config(fashion_mnist, tmp_path, synthetic=True,
-                                    compressor="topk", epochs=2)
+                                    compressor="topk", replicas=1, eval_steps=1, epochs=2)
   summary = training.train(fashion_mnist, again)
   assert summary["steps"] == 6  # 3 restored + 3 new
   assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 6
