@@ -66,6 +66,10 @@ def test_replica_exchange_reports_what_the_joined_gather_sends(fuse):
   assert all(r > 0 for r in reported)
 
 
+@pytest.mark.slow  # 96 steps of real training; the exchange engine in a custom loop under
+# MirroredStrategy (bit-identical replicas, residues per replica) runs in the fast tier
+# in test_replica_exchange_reports_what_the_joined_gather_sends and tests/compressors/
+# test_fft_compressor.py (test_exchange_under_mirrored_strategy_is_bit_identical_...).
 def test_the_documented_custom_loop_trains_and_keeps_replicas_equal():
   """docs/distributed.md, "Custom training loops": the loop as printed there."""
   import keras  # pylint: disable=g-import-not-at-top

@@ -101,12 +101,12 @@ def _check_rounds(model, recorder, rounds):
 
 
 def test_resist_trains_sub_resnets_apart_and_averages_over_their_holders():
-  """The mechanics in a short run: 2 rounds of 3 local steps, one per epoch (the slow
+  """The mechanics in a short run: 2 rounds of 2 local steps, one per epoch (the slow
   test below checks the same on its 4 rounds of real training)."""
   strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES)
   model = _model(strategy)
-  recorder = _Recorder(local_steps=3, seed=1)
-  _fit(model, [recorder], steps_per_epoch=3)
+  recorder = _Recorder(local_steps=2, seed=1)
+  _fit(model, [recorder], steps_per_epoch=2)
   _check_rounds(model, recorder, rounds=2)
 
 
