@@ -5,24 +5,45 @@ docs/reliability.md has their figures)."""
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+
+import pytest
 
 import benchmark_scripts
 import multi_worker
 
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+# The mid_epoch scenario's jobs: 2 epochs of 6 steps, a backup every 3 steps.
+JOB = ["--epochs", "2", "--steps_per_epoch", "6", "--save_freq", "3"]
 
 
-def test_a_worker_killed_mid_epoch_fails_its_peer_and_the_job_resumes(tmp_path):
+@pytest.fixture(scope="module")
+def mid_epoch(tmp_path_factory):
+  """The mid_epoch scenario run once, its work folder kept (the backup its jobs left):
+  ``(result, row, work folder)``."""
+  json_path = tmp_path_factory.mktemp("faults") / "faults.json"
   result = subprocess.run(
       [sys.executable, os.path.join(benchmark_scripts.BENCHMARKS_DIR, "faults.py"),
-       "--scenarios", "mid_epoch", "--epochs", "2", "--steps_per_epoch", "6",
-       "--save_freq", "3", "--collective_timeout", "60", "--timeout", "240", "--no_baseline",
-       "--json", str(tmp_path / "faults.json")],
+       "--scenarios", "mid_epoch", *JOB, "--collective_timeout", "60", "--timeout", "240",
+       "--no_baseline", "--keep", "--json", str(json_path)],
       capture_output=True, text=True, env=ENV, timeout=560, check=False)
-  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-  row, = json.loads((tmp_path / "faults.json").read_text())["scenarios"]
+  found = re.search(r"^work folder: (.+)$", result.stdout, re.M)
+  work = found.group(1).strip() if found else None
+  try:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    row, = json.loads(json_path.read_text())["scenarios"]
+    yield result, row, work
+  finally:
+    if work:
+      shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_epoch_fails_its_peer_and_the_job_resumes(mid_epoch):
+  _, row, _ = mid_epoch
   assert row["killed_at_step"] == 8 and row["victim_returncode"] == -9, row
   # The survivor failed on its own (TensorFlow's heartbeats or the collective timeout),
   # well before the job's 240 s limit.
@@ -37,24 +58,24 @@ def test_a_worker_killed_mid_epoch_fails_its_peer_and_the_job_resumes(tmp_path):
   assert row["ok"], row
 
 
-def test_workers_that_restore_different_steps_stop_naming_the_backup_dir(tmp_path):
-  # A folder per worker (no shared filesystem): only the chief's holds the backup, so
-  # on the rerun worker 0 would resume at step 4 and worker 1 at 0 (and their loads'
-  # collectives would not even match). Both must stop before loading, saying why.
+@pytest.mark.slow
+def test_workers_that_restore_different_steps_stop_naming_the_backup_dir(tmp_path, mid_epoch):
+  # A folder per worker (no shared filesystem), as a job whose chief alone keeps the
+  # backup leaves them: worker 0's holds the backup the mid_epoch jobs left (step 12),
+  # worker 1's none. On a rerun worker 0 would resume at step 12 and worker 1 at 0 (and
+  # their loads' collectives would not even match). Both must stop before loading,
+  # saying why.
+  _, _, work = mid_epoch
+  shutil.copytree(os.path.join(work, "mid_epoch", "backup"), tmp_path / "backup-0")
+  assert not (tmp_path / "backup-1").exists()
   worker = os.path.join(benchmark_scripts.BENCHMARKS_DIR, "fault_worker.py")
-  backup = str(tmp_path / "backup-{worker}")
-  common = ["--epochs", "1", "--steps_per_epoch", "4", "--save_freq", "2",
-            "--backup_dir", backup]
-  first = multi_worker.run_workers(worker, num_workers=2, timeout=240,
-                                   out_dir=tmp_path / "first",
-                                   args=["--out_dir", str(tmp_path / "first"), *common])
-  assert [r.returncode for r in first] == [0, 0], multi_worker.describe(first)
-  second = multi_worker.run_workers(
-      worker, num_workers=2, timeout=240, out_dir=tmp_path / "second",
-      args=["--out_dir", str(tmp_path / "second"), "--epochs", "2", *common[2:]])
-  assert [r.returncode for r in second] == [1, 1], multi_worker.describe(second)
+  rerun = multi_worker.run_workers(
+      worker, num_workers=2, timeout=240, out_dir=tmp_path / "rerun",
+      args=["--out_dir", str(tmp_path / "rerun"), *JOB,
+            "--backup_dir", str(tmp_path / "backup-{worker}")])
+  assert [r.returncode for r in rerun] == [1, 1], multi_worker.describe(rerun)
   for index in range(2):
-    record = json.loads((tmp_path / "second" / f"worker{index}.json").read_text())
+    record = json.loads((tmp_path / "rerun" / f"worker{index}.json").read_text())
     assert record["error"] == "ValueError", record
     assert "found different backups: 1 of 2 found one" in record["message"], record
     assert f"Received: backup_dir='{tmp_path / f'backup-{index}'}'" in record["message"]
