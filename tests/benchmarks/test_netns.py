@@ -11,8 +11,13 @@ import pytest
 import benchmark_scripts  # noqa: F401  (benchmarks/ on sys.path)
 import netns
 
-needs_namespaces = pytest.mark.skipif(not netns.available(),
-                                      reason="needs root and iproute2 (ip netns, tc)")
+_namespaces_available = pytest.mark.skipif(not netns.available(),
+                                           reason="needs root and iproute2 (ip netns, tc)")
+
+
+def needs_namespaces(test):
+  """Real namespaces (ip and tc, processes of their own; root): the slow tier."""
+  return pytest.mark.slow(_namespaces_available(test))
 
 
 def _namespaces():
