@@ -202,8 +202,12 @@ def _per_replica(strategy, fn):
       lambda ctx: fn(ctx.replica_id_in_sync_group))
 
 
-@pytest.mark.parametrize("in_function", [False, True])
-@pytest.mark.parametrize("reduce_op", [tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN])
+# Pairwise: each reduction and each mode (eager, in a function) in the fast tier; the
+# other two pairs of the grid with --full.
+@pytest.mark.parametrize("reduce_op, in_function", [
+    (tf.distribute.ReduceOp.SUM, False), (tf.distribute.ReduceOp.MEAN, True),
+    pytest.param(tf.distribute.ReduceOp.SUM, True, marks=pytest.mark.slow),
+    pytest.param(tf.distribute.ReduceOp.MEAN, False, marks=pytest.mark.slow)])
 def test_results_live_on_each_destination_device(in_function, reduce_op):
   """One component on each destination device, as ReductionToOneDevice places them (they
   all sat on the first device before, or on none inside a tf.function)."""

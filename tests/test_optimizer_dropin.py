@@ -159,7 +159,11 @@ def _replica_sums(optimizer):
           for r in state]
 
 
-@pytest.mark.parametrize("exchange", EXCHANGES)
+# The update exchange's residues and slots through a checkpoint under MirroredStrategy
+# are in the fast tier in tests/test_optimizer_updates.py (test_update_exchange_
+# checkpoints_the_mean_of_the_replicas_slots) and tests/test_backup.py; here with --full.
+@pytest.mark.parametrize("exchange", ["gradients", pytest.param("updates",
+                                                                marks=pytest.mark.slow)])
 def test_residues_survive_model_save_and_load_model_under_mirrored_strategy(exchange, tmp_path):
   strategy = tf_adacomp.distribute.mirrored_strategy(devices=["/cpu:0", "/cpu:1"])
   rng = np.random.default_rng(0)
