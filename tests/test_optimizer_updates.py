@@ -324,7 +324,7 @@ def test_one_replica_update_exchange_is_the_plain_optimizer():
 
 def test_update_exchange_trains_an_embedding_under_mirrored_strategy():
   """An Embedding's gradient is IndexedSlices: the default (update) exchange takes it."""
-  strategy = tf.distribute.MirroredStrategy(DEVICES[:2])
+  strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES[:2])
   tokens = np.random.default_rng(0).integers(0, 20, size=(16, 4)).astype(np.int32)
   labels = (tokens.sum(axis=1) % 2).astype(np.int32)
   with strategy.scope():

@@ -25,6 +25,7 @@ import pytest
 import tensorflow as tf
 
 import canaries
+import tf_adacomp
 from tf_adacomp.compat import internals
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -32,7 +33,10 @@ CPUS = ["/cpu:0", "/cpu:1"]
 
 
 def _mirrored(**kwargs):
-  return tf.distribute.MirroredStrategy(CPUS, **kwargs)
+  # Collective keys of its own (tf_adacomp.distribute): plain MirroredStrategy objects all
+  # start from the same keys, and one that collides with an earlier strategy of the test
+  # process aborts the process' collectives.
+  return tf_adacomp.distribute.mirrored_strategy(devices=CPUS, **kwargs)
 
 
 def _built(optimizer, *shapes):
