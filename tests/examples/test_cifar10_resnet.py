@@ -11,7 +11,10 @@ from tf_adacomp.examples import flags_and_config
 from tf_adacomp.examples import training
 
 
-@pytest.mark.parametrize("depth,parameters", [(20, 0.27e6), (32, 0.46e6), (56, 0.85e6)])
+@pytest.mark.parametrize("depth,parameters", [
+    (20, 0.27e6),
+    pytest.param(32, 0.46e6, marks=pytest.mark.slow),  # building the deeper ones: seconds
+    pytest.param(56, 0.85e6, marks=pytest.mark.slow)])
 def test_resnet_has_the_papers_size(depth, parameters):
   """He et al. 2016, table 6: 0.27M, 0.46M and 0.85M parameters."""
   model = cifar10_resnet.resnet_cifar(depth)

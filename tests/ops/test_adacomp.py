@@ -161,8 +161,15 @@ SHAPES = [[], [1], [7], [50], [51], [3, 4, 5], [64, 33], [3, 3, 16, 32], [1000],
 BIN_SIZES = [1, 7, 50, 500]
 
 
-@pytest.mark.parametrize("bin_size", BIN_SIZES)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def _pairwise(rows, columns):
+  """Every (row, column) pair; the fast tier keeps one column per row, the columns in
+  turn (each compiled program costs about a second), the whole suite all of them."""
+  return [pytest.param(row, column, id=f"{row}-{column}",
+                       marks=() if (i + j) % len(columns) == 0 else pytest.mark.slow)
+          for i, row in enumerate(rows) for j, column in enumerate(columns)]
+
+
+@pytest.mark.parametrize("shape,bin_size", _pairwise(SHAPES, BIN_SIZES))
 def test_matches_reference_float32(shape, bin_size):
   rng = np.random.default_rng(1000 + len(shape) * 100 + bin_size + int(np.prod(shape)))
   grad = random_array(shape, np.float32, rng)
@@ -183,9 +190,9 @@ DTYPE_PAIRS = [
 ]
 
 
-@pytest.mark.parametrize("shape", [[3, 4, 5], [1000]], ids=str)
-@pytest.mark.parametrize("grad_dtype,residue_dtype", DTYPE_PAIRS)
-def test_matches_reference_dtypes(grad_dtype, residue_dtype, shape):
+@pytest.mark.parametrize("dtypes,shape", _pairwise(DTYPE_PAIRS, [[3, 4, 5], [1000]]))
+def test_matches_reference_dtypes(dtypes, shape):
+  grad_dtype, residue_dtype = dtypes
   rng = np.random.default_rng(zlib.crc32(f"{grad_dtype}-{residue_dtype}-{shape}".encode()))
   grad = random_array(shape, NP_DTYPES[grad_dtype], rng)
   residue = random_array(shape, NP_DTYPES[residue_dtype], rng, scale=0.5)
