@@ -59,13 +59,14 @@ def _train(compressor, steps=150, learners=4, batch_size=128, seed=0):
   return accuracy, simulate.compression_report(trainer.plans, sent_steps)
 
 
-# Real-data accuracy: the slow tier. Measured (test accuracy, dense / AdaComp): 0.964 /
-# 0.958 after 100 steps, 0.983 / 0.969 after 120, 0.986 / 0.986 after 150; AdaComp trails
-# early on (0.82 after 50), so the run keeps its 150 steps. The simulated exchange itself
-# is checked exactly in the fast tier (test_no_compression_equals_full_batch_sgd).
+# Real-data accuracy: the slow tier. Measured (test accuracy, dense / AdaComp): 0.939 /
+# 0.822 after 50 steps, 0.964 / 0.958 after 100, 0.983 / 0.969 after 120 (ratios: total
+# 124, conv 33, dense 155), 0.986 / 0.986 after 150. AdaComp trails early on: 120 steps
+# leave it within half the 0.03 allowed. The simulated exchange itself is checked
+# exactly in the fast tier (test_no_compression_equals_full_batch_sgd).
 @pytest.mark.slow
 def test_adacomp_keeps_dense_accuracy_on_digits():
-  (dense, dense_ratio), (adacomp, ratio) = _train("none"), _train("adacomp")
+  (dense, dense_ratio), (adacomp, ratio) = _train("none", 120), _train("adacomp", 120)
   assert dense > 0.9
   assert adacomp >= dense - 0.03
   assert ratio["total"]["ratio"] > 50
