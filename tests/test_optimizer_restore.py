@@ -57,10 +57,12 @@ def _totals(model):
 
 def _compressor(name):
   # Biases go dense (fewer compilations); the FFT compressor with a theta schedule,
-  # whose position a counter that moved on restore would shift.
+  # whose position a counter that moved on restore would shift. FFT programs are not
+  # fused and cost the most to compile: it compresses the 64x64 kernel only (one
+  # residue and one counter; the 64x10 kernel goes dense).
   if name == "fft":
     return tf_adacomp.get_compressor("fft", theta=0.9, final_theta=0.5, theta_decay_steps=100,
-                                     min_size=100)
+                                     min_size=1000)
   return tf_adacomp.AdaComp(min_size=100)
 
 
