@@ -172,7 +172,8 @@ def test_a_non_finite_step_changes_neither_residues_nor_weights(replicated_fit):
 
 
 @pytest.mark.slow  # real-data training; mixed-precision mechanics (overflow on one replica,
-# loss scale, identical replicas): tests/test_optimizer_mixed_precision.py
+# loss scale, identical replicas): tests/test_optimizer_mixed_precision.py. Measured test
+# accuracy (2 replicas): 0.77 after one epoch, 0.91 after two, either policy.
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 def test_mixed_precision_trains(policy):
   keras.mixed_precision.set_global_policy(policy)
@@ -190,8 +191,8 @@ def test_mixed_precision_trains(policy):
 
 # Test accuracy after each epoch (4 replicas, measured): dense 0.883 0.939 0.956 0.964
 # 0.978 0.978 0.981 ..., 0.986 after 20; AdaComp 0.867 0.931 0.953 0.975 0.978 0.978
-# 0.978 ..., 0.986 after 20. Both level off from the 5th epoch: 6 epochs (138 steps).
-EPOCHS_4 = 6
+# 0.978 ..., 0.986 after 20. Both level off from the 5th epoch: 5 epochs (115 steps).
+EPOCHS_4 = 5
 
 
 @pytest.mark.slow  # an accuracy claim; the mechanics on 2 replicas are the tests above
