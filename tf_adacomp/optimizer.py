@@ -52,6 +52,7 @@ import tensorflow as tf
 
 from tf_adacomp import compile_log
 from tf_adacomp import exchange as exchange_lib
+from tf_adacomp import shared_moment
 from tf_adacomp import stats
 from tf_adacomp.compat import keras_multi_worker
 from tf_adacomp.compat import loss_scale
@@ -76,6 +77,8 @@ EXCHANGES = ("gradients", "updates")
 # What ``exchange=None`` means, per reduction (docs/convergence.md has the measurements
 # behind "updates"; Adasum keeps its documented default, the Adasum of gradients).
 DEFAULT_EXCHANGE = {"sum": "updates", "adasum": "gradients"}
+# What ``second_moment=None`` means for an Adam or AdamW under the update exchange.
+DEFAULT_SECOND_MOMENT = "shared"
 _EXCHANGE_OF_ADASUM_MODE = {"gradient": "gradients", "delta": "updates"}
 
 
@@ -161,6 +164,23 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       the inner optimizer with ``global_clipnorm=c``. DGC clips each node's share of a
       summed gradient at ``T / sqrt(N)``; for a threshold ``T`` meant for the averaged
       gradient that is ``local_clipnorm = T * sqrt(N)`` here.
+    second_moment: None (default), "local" or "shared"; Adam's second moment under the
+      update exchange. "local": each replica divides its own first moment by its own
+      second moment, and the mean of those steps is not Adam's step on the mean gradient
+      (Adam is not linear in its gradient). "shared": every replica divides by the same
+      second moment, the replicas' mean, averaged (one dense all-reduce) at steps 1, 2,
+      4, 8, ...; the step is then linear in the first moment, and without compression
+      every replica takes Adam's step on the mean gradient (``tf_adacomp.shared_moment``
+      has the algorithm; 1-bit Adam's and 0/1 Adam's observation). The wrapper computes
+      that step itself, so the inner optimizer must be an Adam or AdamW without
+      ``amsgrad``, clipping (use ``local_clipnorm``), EMA, gradient accumulation or loss
+      scale factor. None means ``default_second_moment(inner_optimizer, ...)``: "shared"
+      where it applies, "local" otherwise (docs/convergence.md has the measurements).
+      With one replica "shared" is the plain inner optimizer.
+    second_moment_interval: None (default) or an int >= 1, with ``second_moment=
+      "shared"``: the longest number of steps between averages of the second moment
+      (averages at steps 1, 2, 4, ... below it, then every ``second_moment_interval``
+      steps). None lets the interval keep doubling.
 
   Raises:
     TypeError: ``inner_optimizer`` is not a Keras optimizer.
@@ -169,6 +189,10 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       contradicts ``exchange``; ``momentum_masking`` not a bool, or True where it cannot
       apply (gradient exchange, an inner optimizer without momentum, a compressor
       without residue); ``local_clipnorm`` not a finite number > 0; ``start_step`` < 0;
+      ``second_moment`` not None, "local" or "shared", or "shared" where it cannot apply
+      (another exchange or reduction, momentum masking, an inner optimizer that is not
+      an Adam or AdamW or has settings the shared step would drop);
+      ``second_moment_interval`` not an int >= 1, or set without "shared";
       a base optimizer argument other than its Keras default (set those on the inner
       optimizer); an ``inner_optimizer`` that is a ``LossScaleOptimizer`` (wrap
       ``LossScaleOptimizer(CompressedOptimizer(inner))`` instead).
@@ -179,7 +203,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
 
   def __init__(self, inner_optimizer, compressor="adacomp", start_step=0, name=None,
                reduction="sum", adasum_mode=None, exchange=None, momentum_masking=False,
-               local_clipnorm=None, **kwargs):
+               local_clipnorm=None, second_moment=None, second_moment_interval=None,
+               **kwargs):
     for argument, default in _BASE_DEFAULTS.items():
       value = kwargs.pop(argument, default)
       if (value is None) != (default is None) or value != default:
@@ -214,6 +239,10 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     local_clipnorm = _check_local_clipnorm(local_clipnorm)
     compressor = registry.get_compressor(compressor)
     _check_momentum_masking(momentum_masking, exchange, inner_optimizer, compressor)
+    second_moment = _resolve_second_moment(second_moment, exchange, reduction,
+                                           inner_optimizer, momentum_masking)
+    second_moment_interval = _check_second_moment_interval(second_moment_interval,
+                                                           second_moment)
     # Keras 3 model.fit needs a fix under multi-worker MultiWorkerMirroredStrategy:
     # applied here and in build(), so that the standard strategy constructor just works.
     keras_multi_worker.apply_keras_multi_worker_fix_for(tf.distribute.get_strategy())
@@ -230,6 +259,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     self.exchange = exchange
     self.momentum_masking = momentum_masking
     self.local_clipnorm = local_clipnorm
+    self.second_moment = second_moment
+    self.second_moment_interval = second_moment_interval
 
   # A LossScaleOptimizer around this one decides whether a step is finite over all
   # replicas (compat.loss_scale reads this marker): apply runs a collective, which every
@@ -267,6 +298,13 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     self._compile_log = compile_log.FirstCompile(
         "CompressedOptimizer", lambda: int(self.iterations.numpy()) > first)
     self._compile_log.start()
+    if self.second_moment == "shared":
+      # The second moment every replica divides by (equal on all; a checkpoint stores it).
+      self.shared_velocities = [
+          self._add_replica_variable(v, tf.TensorSpec(v.shape, v.dtype),
+                                     _variable_path(v).replace("/", "_").replace(":", "_")
+                                     + "_shared_velocity", aggregation="mean")
+          for v in var_list]
     if self.exchange == "updates":
       # Each replica steps the inner optimizer with its own state, so its slots hold one
       # value per replica (on-read, as the residues), and a checkpoint stores their mean
@@ -285,7 +323,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     finally:
       self._reading_own_settings = False
 
-  def _add_replica_variable(self, reference, spec, name):
+  def _add_replica_variable(self, reference, spec, name, aggregation=None):
     """A variable with one value per replica (each replica's residue is its own).
 
     ``on_read`` synchronization keeps a separate copy on every replica. A floating
@@ -295,11 +333,13 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     state (the FFT compressor's step counter) is the same on every replica: a checkpoint
     stores the first replica's and a restore gives it to every replica (summed, a restore
     with fewer replicas would move the theta schedule forward;
-    tests/test_optimizer_restore.py).
+    tests/test_optimizer_restore.py). ``aggregation="mean"`` is for a value equal on
+    every replica (the shared second moment).
     """
     # A plain tf.Variable (which Keras' optimizers accept too) is its own tf.Variable.
     colocate_with = reference.value if isinstance(reference, keras.Variable) else reference
-    aggregation = "sum" if spec.dtype.is_floating else "only_first_replica"
+    if aggregation is None:
+      aggregation = "sum" if spec.dtype.is_floating else "only_first_replica"
     with self._distribution_strategy.extended.colocate_vars_with(colocate_with):
       with keras.name_scope(self.name, caller=self):
         variable = keras.Variable(initializer="zeros", shape=spec.shape, dtype=spec.dtype.name,
@@ -330,6 +370,9 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     dense = self.iterations < self.start_step if self.start_step else None
     replicas = tf.distribute.get_replica_context().num_replicas_in_sync
 
+    if self.second_moment == "shared":
+      self._apply_shared_moment(grads, trainable_variables, indices, plans, states, dense)
+      return
     if self.exchange == "updates":
       self._apply_updates(grads, trainable_variables, indices, plans, states, dense)
       return
@@ -382,6 +425,76 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     pairs = [(v, fused.add_if(finite, b, s))
              for v, b, s in zip(variables, before, combined) if s is not None]
     self._assign_per_replica([v for v, _ in pairs], [x for _, x in pairs])
+
+  def _apply_shared_moment(self, grads, variables, indices, plans, states, dense):
+    """The update exchange with Adam's second moment shared by every replica
+    (``shared_moment``): local first and second moments, the shared one averaged at the
+    sync steps, the replicas' steps compressed and their mean applied. A step whose
+    gradient is not finite on some replica, or whose combined step is not, changes
+    nothing (weights, moments, residues, ``iterations``)."""
+    ctx = tf.distribute.get_replica_context()
+    replicas = ctx.num_replicas_in_sync
+    inner = self.inner_optimizer
+    own = [None if g is None else tf.convert_to_tensor(g) * replicas for g in grads]
+    if self.local_clipnorm is not None:
+      own = _clip_by_global_norm(own, self.local_clipnorm)
+    bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                         tf.cast(tf.logical_not(fused.all_finite(own)), tf.float32))
+    stepped = tf.equal(bad, 0.0)
+    t = tf.cast(inner.iterations, tf.int64) + 1
+    if replicas == 1:  # the average of one is free: take it every step (plain Adam)
+      sync, synced_at = stepped, t
+    else:
+      sync = tf.logical_and(stepped,
+                            shared_moment.is_sync_step(t, self.second_moment_interval))
+      synced_at = shared_moment.last_sync_step(t, self.second_moment_interval)
+    learning_rate = inner.learning_rate
+    momentums, velocities = shared_moment.moment_slots(inner)
+    present = [k for k, g in enumerate(own) if g is not None]
+    slots = [inner._get_variable_index(variables[k]) for k in present]  # pylint: disable=protected-access
+    shared = [self.shared_velocities[indices[k]] for k in present]
+    old = {"m": [tf.convert_to_tensor(momentums[j]) for j in slots],
+           "v": [tf.convert_to_tensor(velocities[j]) for j in slots],
+           "shared": [tf.convert_to_tensor(s) for s in shared]}
+    new_m, new_v = [], []
+    for k, m, v in zip(present, old["m"], old["v"]):
+      m, v = shared_moment.local_moments(m, v, own[k], inner.beta_1, inner.beta_2)
+      new_m.append(m)
+      new_v.append(v)
+
+    def average(values):
+      mean = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.MEAN, values)
+      self._assign_per_replica(shared, mean)
+      return tf.constant(True)
+
+    with tf.control_dependencies(old["shared"]):
+      self._on_every_replica_if(sync, average, new_v)
+    # Automatic control dependencies order these reads after the average.
+    shared_v = [tf.convert_to_tensor(s) for s in shared]
+    deltas = [None] * len(own)
+    for k, m, v in zip(present, new_m, shared_v):
+      update = shared_moment.step(m, v, learning_rate, t, synced_at, inner.beta_1,
+                                  inner.beta_2, inner.epsilon)
+      deltas[k] = tf.where(stepped, update, tf.zeros_like(update))
+    exchanged = self._exchange.replica_exchange(plans, deltas, states, dense)
+    combined = [None if s is None else self._exchange.reduction.to_mean(s, replicas)
+                for s in exchanged.sums]
+    finite = tf.logical_and(stepped, fused.all_finite(combined))
+    self._keep_states(indices, states, exchanged.states, finite)
+    self._record_bytes(indices, exchanged.nbytes)
+    targets, values = [], []
+    for j, m, v, v_shared, m_old, v_old, s, s_old in zip(
+        slots, new_m, new_v, shared_v, old["m"], old["v"], shared, old["shared"]):
+      targets += [momentums[j], velocities[j], s]
+      values += [tf.where(finite, m, m_old),
+                 # After an average each replica's own moment restarts from the mean.
+                 tf.where(finite, tf.where(sync, v_shared, v), v_old),
+                 tf.where(finite, v_shared, s_old)]
+    pairs = [(variables[k], fused.add_if(
+        finite, shared_moment.decayed(inner, variables[k], tf.convert_to_tensor(variables[k])),
+        combined[k])) for k in present]
+    self._assign_per_replica(targets + [v for v, _ in pairs], values + [x for _, x in pairs])
+    inner.iterations.assign_add(tf.cast(finite, inner.iterations.dtype))
 
   def _mask_momentum(self, variables, old_states, deltas, new_states, masked_step):
     """DGC's momentum factor masking: zero this replica's momentum where it sent.
@@ -537,6 +650,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
         "exchange": self.exchange,
         "momentum_masking": self.momentum_masking,
         "local_clipnorm": self.local_clipnorm,
+        "second_moment": self.second_moment,
+        "second_moment_interval": self.second_moment_interval,
     }
 
   @classmethod
@@ -549,6 +664,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       # (the gradient exchange ran), so keep that rather than refuse "delta" now.
       config["adasum_mode"] = None
       config["exchange"] = "gradients"
+    # Saved before `second_moment` existed: each replica kept its own.
+    config.setdefault("second_moment", "local")
     return cls(inner, **config)
 
 
@@ -589,6 +706,58 @@ def _resolve_exchange(reduction, adasum_mode, exchange):
                      f"contradicts `exchange`. Received: adasum_mode={adasum_mode!r}, "
                      f"exchange={exchange!r}")
   return exchange or implied or DEFAULT_EXCHANGE[reduction]
+
+
+def _resolve_second_moment(second_moment, exchange, reduction, inner_optimizer,
+                           momentum_masking):
+  """The second moment ``second_moment`` asks for (None: ``default_second_moment``), or
+  ValueError where it cannot apply."""
+  if second_moment is None:
+    return default_second_moment(inner_optimizer, exchange, reduction, momentum_masking)
+  if second_moment not in shared_moment.SECOND_MOMENTS:
+    raise ValueError(f"`second_moment` must be one of {shared_moment.SECOND_MOMENTS} or "
+                     f"None. Received: second_moment={second_moment!r}")
+  if second_moment == "local":
+    return second_moment
+  if exchange != "updates" or reduction != "sum":
+    raise ValueError("`second_moment='shared'` shares Adam's second moment in the update "
+                     "exchange and needs exchange='updates' and reduction='sum'. Received: "
+                     f"exchange={exchange!r}, reduction={reduction!r}")
+  if momentum_masking:
+    raise ValueError("`second_moment='shared'` does not take momentum_masking=True. "
+                     "Received: momentum_masking=True")
+  shared_moment.check_inner(inner_optimizer)
+  return second_moment
+
+
+def default_second_moment(inner_optimizer, exchange="updates", reduction="sum",
+                          momentum_masking=False):
+  """What ``second_moment=None`` means for this inner optimizer and exchange.
+
+  "shared" for an Adam or AdamW (without amsgrad, clipping, EMA, gradient accumulation
+  or a loss scale factor set on it) under the mean update exchange, where it measured at
+  dense accuracy (docs/convergence.md); "local" otherwise (other optimizers keep their
+  own state: their second moment, if any, stays each replica's).
+  """
+  if exchange != "updates" or reduction != "sum" or momentum_masking:
+    return "local"
+  try:
+    shared_moment.check_inner(inner_optimizer)
+  except ValueError:
+    return "local"
+  return DEFAULT_SECOND_MOMENT
+
+
+def _check_second_moment_interval(interval, second_moment):
+  if interval is None:
+    return None
+  interval = checks.positive_int(interval, "second_moment_interval")
+  if second_moment != "shared":
+    raise ValueError("`second_moment_interval` is the longest interval between averages "
+                     "of the shared second moment and needs second_moment='shared'. "
+                     f"Received: second_moment_interval={interval!r}, "
+                     f"second_moment={second_moment!r}")
+  return interval
 
 
 def _check_local_clipnorm(local_clipnorm):

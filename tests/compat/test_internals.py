@@ -232,6 +232,41 @@ def test_first_moment_slots_hold_the_first_moment_in_variable_order(make, attrib
                        user, f"after one step with {grad.numpy()} it holds {slot.numpy()}")
 
 
+@pytest.mark.parametrize("make", [lambda: keras.optimizers.Adam(0.1, beta_1=0.9, beta_2=0.99),
+                                  lambda: keras.optimizers.AdamW(0.1, beta_1=0.9, beta_2=0.99)],
+                         ids=["Adam", "AdamW"])
+def test_moment_slots_hold_adams_moments_in_variable_order(make):
+  """The shared second moment (shared_moment.moment_slots) reads and writes these: after
+  one step from zeros they hold (1 - beta_1) g and (1 - beta_2) g^2."""
+  from tf_adacomp import shared_moment  # pylint: disable=g-import-not-at-top
+
+  name, user = "`_momentums`/`_velocities`", "shared_moment.moment_slots"
+  optimizer, variables = _built(make(), [3], [2])
+  grads = [tf.constant([1.0, -2.0, 4.0]), tf.constant([0.5, 8.0])]
+  optimizer.apply(grads, variables)
+  with canaries.watching(name, user):
+    momentums, velocities = shared_moment.moment_slots(optimizer)
+    for variable, grad in zip(variables, grads):
+      index = optimizer._get_variable_index(variable)  # pylint: disable=protected-access
+      g = grad.numpy()
+      for slot, want in ((momentums[index], 0.1 * g), (velocities[index], 0.01 * g * g)):
+        canaries.require(np.allclose(slot.numpy(), want, rtol=1e-5), name, user,
+                         f"after one step with {g} a slot holds {slot.numpy()}, not {want}")
+
+
+def test_uses_weight_decay_follows_exclude_from_weight_decay():
+  name, user = "`Optimizer._use_weight_decay`", "shared_moment.decayed (AdamW's decay)"
+  optimizer = keras.optimizers.AdamW(0.1, weight_decay=0.5)
+  optimizer.exclude_from_weight_decay(var_names=["bias"])
+  kernel = keras.Variable(np.ones([2], np.float32), name="kernel")
+  bias = keras.Variable(np.ones([2], np.float32), name="bias")
+  optimizer.build([kernel, bias])
+  with canaries.watching(name, user):
+    decays = [internals.uses_weight_decay(optimizer, v) for v in (kernel, bias)]
+  canaries.require(decays == [True, False], name, user,
+                   f"kernel, bias (excluded by name) gave {decays}")
+
+
 def test_get_variable_index_is_the_build_order():
   name, user = "`Optimizer._get_variable_index`", "CompressedOptimizer (plans, residues, slots)"
   optimizer, variables = _built(keras.optimizers.SGD(0.1), [3], [2], [4])

@@ -32,6 +32,9 @@ Accessors
 - ``set_initial_epoch(model, epoch)``: ``keras.Model._initial_epoch``, the epoch a
   ``fit`` that is starting begins at (Keras' own ``BackupAndRestore`` sets it the same
   way; there is no public route). Used by ``backup.BackupAndRestore``.
+- ``uses_weight_decay(optimizer, variable)``: ``keras.optimizers.Optimizer._use_weight_decay``
+  (whether ``exclude_from_weight_decay`` left ``variable`` in). Used by
+  ``shared_moment.decayed``, which applies AdamW's decoupled decay itself.
 - ``keras_tensorflow_trainer()``: the module ``keras.src.backend.tensorflow.trainer``,
   with ``TensorFlowTrainer._maybe_symbolic_build``, ``reduce_per_replica`` and
   ``_collective_all_reduce_multi_worker``: what ``compat.keras_multi_worker`` patches.
@@ -54,6 +57,8 @@ they are used; their canaries are in ``tests/compat/test_internals.py`` too:
     (``keras/src/optimizers/base_optimizer.py``, ``keras/src/backend/tensorflow/optimizer.py``).
   - ``tf.__internal__.distribute.strategy_supports_no_merge_call`` and
     ``tf.__internal__.distribute.interim.maybe_merge_call`` (as Keras' own optimizer).
+- ``shared_moment.moment_slots(optimizer)``: Adam's / AdamW's private ``_momentums``
+  and ``_velocities`` (``keras/src/optimizers/adam.py``).
 - ``cross_device_ops.py``: the public ``tf.distribute.CrossDeviceOps`` subclassed through
   its (undocumented) ``reduce_implementation``, ``batch_reduce_implementation`` and
   ``_gather_implementation``; ``tf.distribute.ReductionToOneDevice._gather``;
@@ -86,6 +91,7 @@ __all__ = [
     "own_distribute_strategy",
     "set_collective_key_base",
     "set_initial_epoch",
+    "uses_weight_decay",
 ]
 
 KERAS_TENSORFLOW_TRAINER = "keras.src.backend.tensorflow.trainer"
@@ -155,6 +161,11 @@ def set_initial_epoch(model, epoch: int) -> None:
 def eager_context_initialized() -> bool:
   """Whether TensorFlow's eager runtime has started (devices and flags are then fixed)."""
   return bool(context.context()._initialized)  # pylint: disable=protected-access
+
+
+def uses_weight_decay(optimizer, variable) -> bool:
+  """Whether ``optimizer`` decays ``variable`` (its ``exclude_from_weight_decay`` lists)."""
+  return bool(optimizer._use_weight_decay(variable))  # pylint: disable=protected-access
 
 
 def keras_tensorflow_trainer():

@@ -1,0 +1,261 @@
+"""The shared second moment (tf_adacomp/shared_moment.py and CompressedOptimizer's
+``second_moment="shared"``), against NumPy.
+
+The schedule and the step are checked against plain-Python and NumPy references; the
+optimizer is run under ``model.fit`` on 3 replicas whose data disagree, and every
+replica's weights, moments and residues are compared with a NumPy replay of the
+algorithm in shared_moment's docstring.
+"""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tf_adacomp
+import tiers
+from tf_adacomp import shared_moment
+from test_optimizer_updates import (_assert_replicas_hold, _fit, _linear_model,
+                                    _own_mean_gradients, _replica_values, _shards, np_topk)
+
+ADAM = dict(learning_rate=0.01, beta_1=0.9, beta_2=0.99, epsilon=1e-3)
+
+
+def py_sync_steps(steps, max_interval):
+  """The sync steps among 1..steps, by the schedule's definition."""
+  powers = {2 ** k for k in range(64) if 2 ** k <= steps}
+  if max_interval is None:
+    return sorted(powers)
+  return sorted({p for p in powers if p < max_interval} |
+                set(range(max_interval, steps + 1, max_interval)))
+
+
+@settings(max_examples=tiers.examples(60), deadline=None)
+@given(st.integers(1, 5000), st.one_of(st.none(), st.integers(1, 600)))
+def test_schedule_matches_its_definition(step, max_interval):
+  syncs = py_sync_steps(step, max_interval)
+  assert bool(shared_moment.is_sync_step(step, max_interval)) == (step in syncs)
+  assert int(shared_moment.last_sync_step(step, max_interval)) == syncs[-1]
+
+
+def test_schedule_is_logarithmic_without_a_cap():
+  syncs = [t for t in range(1, 1025) if shared_moment.is_sync_step(t)]
+  assert syncs == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+  assert int(shared_moment.last_sync_step(2 ** 40 + 5)) == 2 ** 40
+
+
+def test_step_is_keras_adams_step_when_the_moment_is_fresh():
+  rng = np.random.default_rng(0)
+  w, g = rng.standard_normal(6).astype(np.float32), rng.standard_normal(6).astype(np.float32)
+  adam = keras.optimizers.Adam(**ADAM)
+  variable = keras.Variable(w)
+  adam.build([variable])
+  adam.apply([g], [variable])
+  m, v = shared_moment.local_moments(tf.zeros(6), tf.zeros(6), g, ADAM["beta_1"], ADAM["beta_2"])
+  update = shared_moment.step(m, v, ADAM["learning_rate"], 1, 1, ADAM["beta_1"],
+                              ADAM["beta_2"], ADAM["epsilon"])
+  np.testing.assert_allclose(w + update.numpy(), variable.numpy(), rtol=1e-6, atol=1e-7)
+
+
+# --- CompressedOptimizer(second_moment="shared") under model.fit ------------------------
+
+
+class NumpySharedAdam:
+  """The algorithm of shared_moment's docstring for all replicas, in float64."""
+
+  def __init__(self, weights, replicas, max_interval=None, weight_decay=None, decayed=None,
+               **adam):
+    self.lr, self.b1, self.b2, self.eps = (adam["learning_rate"], adam["beta_1"],
+                                           adam["beta_2"], adam["epsilon"])
+    self.replicas, self.max_interval = replicas, max_interval
+    self.wd, self.decayed = weight_decay, decayed or []
+    zeros = lambda: [np.zeros_like(w, np.float64) for w in weights]  # noqa: E731
+    self.m = [zeros() for _ in range(replicas)]
+    self.v = [zeros() for _ in range(replicas)]
+    self.shared = zeros()
+
+  def updates(self, grads, t):
+    """Each replica's update at step ``t`` (1-based) from its own ``grads``."""
+    for r in range(self.replicas):
+      for k, g in enumerate(grads[r]):
+        self.m[r][k] += (g - self.m[r][k]) * (1 - self.b1)
+        self.v[r][k] += (g * g - self.v[r][k]) * (1 - self.b2)
+    syncs = py_sync_steps(t, self.max_interval)
+    if self.replicas == 1 or syncs[-1] == t:
+      for k in range(len(self.shared)):
+        self.shared[k] = np.mean([self.v[r][k] for r in range(self.replicas)], axis=0)
+        for r in range(self.replicas):
+          self.v[r][k] = self.shared[k].copy()
+    s = t if self.replicas == 1 else syncs[-1]
+    alpha = self.lr * math.sqrt(1 - self.b2 ** s) / (1 - self.b1 ** t)
+    return [[(-alpha * m / (np.sqrt(v) + self.eps)).astype(np.float32)
+             for m, v in zip(self.m[r], self.shared)] for r in range(self.replicas)]
+
+  def decay(self, weights):
+    if not self.wd:
+      return weights
+    return [w - w * np.float32(self.wd * self.lr) if k in self.decayed else w
+            for k, w in enumerate(weights)]
+
+
+def reference(start, replicas, steps, density=None, **kwargs):
+  weights = [w.astype(np.float32) for w in start]
+  adam = NumpySharedAdam(weights, replicas, **kwargs, **ADAM)
+  residues = [[np.zeros_like(w) for w in weights] for _ in range(replicas)]
+  for step in range(steps):
+    grads = [_own_mean_gradients(weights, xs, ys) for xs, ys in _shards(replicas, step, steps)]
+    updates = adam.updates(grads, step + 1)
+    total = [np.zeros_like(w) for w in weights]
+    for r in range(replicas):
+      for k, u in enumerate(updates[r]):
+        if density is None:
+          total[k] += u
+        else:
+          values, residues[r][k], _ = np_topk(residues[r][k] + u, density)
+          total[k] += values
+    weights = [w + t / np.float32(replicas) for w, t in zip(adam.decay(weights), total)]
+  return weights, adam, residues
+
+
+def _shared(inner=None, compressor="none", **kwargs):
+  return lambda: tf_adacomp.CompressedOptimizer(
+      inner() if inner else keras.optimizers.Adam(**ADAM), compressor, exchange="updates",
+      second_moment="shared", **kwargs)
+
+
+@pytest.fixture(scope="module")
+def uncompressed():
+  """3 replicas, 3 steps (averages at steps 1 and 2, not 3), no compression."""
+  replicas, steps = 3, 3
+  return (replicas, steps, *_fit(_shared(), replicas, steps))
+
+
+def test_without_compression_every_replica_takes_adams_step_on_the_mean_gradient(uncompressed):
+  replicas, steps, start, model, strategy = uncompressed
+  expected, adam, _ = reference(start, replicas, steps)
+  _assert_replicas_hold(model, strategy, expected)
+  optimizer = model.optimizer
+  assert int(optimizer.iterations.numpy()) == steps
+  momentums, velocities = shared_moment.moment_slots(optimizer.inner_optimizer)
+  for k in range(len(start)):
+    np.testing.assert_allclose(_replica_values(optimizer.shared_velocities[k], strategy),
+                               [adam.shared[k]] * replicas, rtol=1e-5, atol=1e-9)
+    for r, (m, v) in enumerate(zip(_replica_values(momentums[k], strategy),
+                                   _replica_values(velocities[k], strategy))):
+      np.testing.assert_allclose(m, adam.m[r][k], rtol=1e-5, atol=1e-8)
+      np.testing.assert_allclose(v, adam.v[r][k], rtol=1e-5, atol=1e-9)
+  # Step 3 was not a sync step: the replicas' own second moments have moved apart.
+  assert not np.allclose(adam.v[0][0], adam.v[1][0])
+
+
+def test_the_checkpoint_holds_the_shared_moment(tmp_path, uncompressed):
+  replicas, steps, start, model, strategy = uncompressed
+  _, adam, _ = reference(start, replicas, steps)
+  saved = tf.train.Checkpoint(optimizer=model.optimizer).save(str(tmp_path / "ckpt"))
+  restored_model = _linear_model()
+  restored = _shared()()
+  restored_model.compile(optimizer=restored, loss="mse")
+  restored.build(restored_model.trainable_variables)
+  tf.train.Checkpoint(optimizer=restored).restore(saved)
+  for k, variable in enumerate(restored.shared_velocities):
+    np.testing.assert_allclose(variable.numpy(), adam.shared[k], rtol=1e-5, atol=1e-9)
+  assert int(restored.iterations.numpy()) == steps
+  del strategy
+
+
+def test_compressed_steps_keep_error_feedback_and_adamw_decays_as_keras():
+  replicas, steps, density, decay = 2, 3, 0.25, 0.5
+
+  def adamw():
+    inner = keras.optimizers.AdamW(weight_decay=decay, **ADAM)
+    inner.exclude_from_weight_decay(var_names=["bias"])
+    return inner
+
+  start, model, strategy = _fit(_shared(adamw, tf_adacomp.TopK(density)), replicas, steps)
+  expected, _, residues = reference(start, replicas, steps, density=density,
+                                    weight_decay=decay, decayed=[0])  # kernel, not bias
+  _assert_replicas_hold(model, strategy, expected)
+  for k in range(len(start)):
+    for r, copy in enumerate(_replica_values(model.optimizer.residues[k][0], strategy)):
+      np.testing.assert_allclose(copy, residues[r][k], rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("make", [lambda: keras.optimizers.Adam(**ADAM),
+                                  lambda: keras.optimizers.AdamW(weight_decay=0.3, **ADAM)],
+                         ids=["Adam", "AdamW"])
+def test_one_replica_is_the_plain_optimizer(make):
+  x, y = _fit.__globals__["_data"](1, 3)
+  results = []
+  for optimizer in (make(), _shared(make)()):
+    model = _linear_model()
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=4, verbose=0, shuffle=False)
+    results.append(model.get_weights())
+  for a, b in zip(*results):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_non_finite_gradient_on_one_replica_changes_nothing():
+  replicas = 2
+  strategy = tf_adacomp.distribute.mirrored_strategy(devices=["/cpu:0", "/cpu:1"])
+  x, y = _fit.__globals__["_data"](replicas, 1)
+  x[0, 0] = np.inf  # replica 0's shard only
+  with strategy.scope():
+    model = _linear_model()
+    model.compile(optimizer=_shared(compressor=tf_adacomp.TopK(0.2))(), loss="mse")
+  start = model.get_weights()
+  model.fit(x, y, batch_size=replicas * 4, verbose=0, shuffle=False)
+  for before, after in zip(start, model.get_weights()):
+    np.testing.assert_array_equal(after, before)
+  optimizer = model.optimizer
+  assert int(optimizer.iterations.numpy()) == 0
+  slots = [*shared_moment.moment_slots(optimizer.inner_optimizer)]
+  for variable in [*optimizer.shared_velocities, *slots[0], *slots[1],
+                   *(s for state in optimizer.residues for s in state)]:
+    assert not any(np.any(c) for c in _replica_values(variable, strategy))
+
+
+def test_default_and_config():
+  adam = tf_adacomp.CompressedOptimizer(keras.optimizers.AdamW(0.01))
+  assert (adam.exchange, adam.second_moment) == ("updates", "shared")
+  for inner, kwargs in [(keras.optimizers.SGD(0.1, momentum=0.9), {}),
+                        (keras.optimizers.RMSprop(0.1), {}),
+                        (keras.optimizers.Adam(0.1, amsgrad=True), {}),
+                        (keras.optimizers.Adam(0.1, global_clipnorm=1.0), {}),
+                        (keras.optimizers.Adam(0.1), {"exchange": "gradients"}),
+                        (keras.optimizers.Adam(0.1), {"momentum_masking": True})]:
+    assert tf_adacomp.CompressedOptimizer(inner, **kwargs).second_moment == "local"
+  optimizer = tf_adacomp.CompressedOptimizer(keras.optimizers.Adam(0.01), "topk",
+                                             second_moment_interval=64)
+  restored = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
+  assert (restored.second_moment, restored.second_moment_interval) == ("shared", 64)
+  # Saved before `second_moment` existed: each replica kept its own.
+  old = {k: v for k, v in optimizer.get_config().items()
+         if k not in ("second_moment", "second_moment_interval")}
+  assert tf_adacomp.CompressedOptimizer.from_config(old).second_moment == "local"
+
+
+@pytest.mark.parametrize("inner,kwargs,match", [
+    (None, {"second_moment": "global"}, r"second_moment='global'"),
+    (None, {"second_moment": "shared", "exchange": "gradients"}, r"exchange='gradients'"),
+    (None, {"second_moment": "shared", "reduction": "adasum"}, r"reduction='adasum'"),
+    (None, {"second_moment": "shared", "momentum_masking": True}, r"momentum_masking=True"),
+    (lambda: keras.optimizers.SGD(0.1), {"second_moment": "shared"}, r"inner_optimizer=<"),
+    (lambda: keras.optimizers.Adam(amsgrad=True), {"second_moment": "shared"}, r"amsgrad"),
+    (lambda: keras.optimizers.Adam(clipnorm=1.0), {"second_moment": "shared"},
+     r"clipnorm=1.0"),
+    (lambda: keras.optimizers.Adam(use_ema=True), {"second_moment": "shared"},
+     r"use_ema=True"),
+    (None, {"second_moment_interval": 0}, r"second_moment_interval=0"),
+    (None, {"second_moment_interval": 2.5}, r"second_moment_interval=2.5"),
+    (None, {"second_moment": "local", "second_moment_interval": 8},
+     r"second_moment_interval=8, second_moment='local'"),
+])
+def test_bad_arguments_name_themselves(inner, kwargs, match):
+  inner = inner() if inner else keras.optimizers.Adam(0.01)
+  with pytest.raises(ValueError, match=match):
+    tf_adacomp.CompressedOptimizer(inner, **kwargs)

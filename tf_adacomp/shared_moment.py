@@ -1,0 +1,142 @@
+"""Adam's step with a second moment that every replica shares: the update exchange made exact.
+
+The update exchange (``CompressedOptimizer(exchange="updates")``) applies the mean of the
+replicas' own optimizer steps. For SGD with momentum that mean is the step on the mean
+gradient (the step is linear in the gradient). Adam's is not: each replica divides its
+own first moment by its own second moment, and the mean of those quotients is not Adam's
+step. With ``second_moment="shared"`` every replica divides by the same second moment,
+so the step is linear in the first moment again, and the mean of the replicas' steps is
+the step of the mean first moment, which is the first moment of the mean gradient (1-bit
+Adam, arXiv 2102.02888, and 0/1 Adam, arXiv 2202.06009, rest on the same observation).
+
+Per replica ``r`` and step ``t`` (1-based), with ``g_r`` its own mean gradient:
+
+    m_r <- m_r + (1 - beta_1) (g_r - m_r)           # its own first moment
+    v_r <- v_r + (1 - beta_2) (g_r^2 - v_r)         # its own second moment
+    at a sync step: v <- mean over replicas of v_r, and v_r <- v   (one dense all-reduce)
+    u_r = -lr sqrt(1 - beta_2^s) / (1 - beta_1^t) * m_r / (sqrt(v) + epsilon)
+
+where ``s`` is the last sync step (``last_sync_step``): Keras' bias correction, with the
+shared moment's age. The replicas' steps ``u_r`` are compressed with error feedback and
+exchanged; every replica applies their mean (and AdamW's decoupled weight decay, the
+same on every replica). Without compression the result is, on every replica, Adam's
+step on the mean gradient with the shared ``v``: the mean over replicas of each one's
+second moment, refreshed at the sync steps.
+
+Sync steps are 1, 2, 4, 8, ... (the interval doubles, as 0/1 Adam's variance updates),
+or with ``max_interval=k`` those below ``k`` and then every ``k`` steps: a dense float32
+exchange of the second moment at about log2(steps) steps, against one compressed
+exchange every step.
+
+This module holds the mathematics and the one place where Adam's slots are read.
+"""
+
+import keras
+import tensorflow as tf
+
+from tf_adacomp.compat import internals
+
+SECOND_MOMENTS = ("local", "shared")
+
+
+def supports(optimizer) -> bool:
+  """Whether ``optimizer`` is an Adam (or AdamW) whose step this module computes."""
+  return isinstance(optimizer, keras.optimizers.Adam) and not optimizer.amsgrad
+
+
+def check_inner(optimizer) -> None:
+  """Raises ValueError unless ``optimizer`` can take the shared-moment step.
+
+  The step is computed here, not by ``optimizer.apply``, so the settings that ``apply``
+  would carry out (clipping, EMA, gradient accumulation, loss scale factor) are refused
+  rather than silently dropped.
+  """
+  if not supports(optimizer):
+    raise ValueError(
+        "`second_moment='shared'` computes Adam's step and needs a keras.optimizers.Adam "
+        "or AdamW without amsgrad. Received: inner_optimizer="
+        f"{optimizer!r}" + (" with amsgrad=True" if getattr(optimizer, "amsgrad", False)
+                            else ""))
+  unsupported = {"clipnorm": None, "clipvalue": None, "global_clipnorm": None,
+                 "use_ema": False, "gradient_accumulation_steps": None,
+                 "loss_scale_factor": None}
+  for name, default in unsupported.items():
+    value = getattr(optimizer, name, default)
+    if value != default:
+      hint = (" (use CompressedOptimizer(local_clipnorm=...) to clip each replica's "
+              "gradient)" if "clip" in name else "")
+      raise ValueError(f"`second_moment='shared'` does not apply the inner optimizer's "
+                       f"`{name}`{hint}. Received: {name}={value!r}")
+
+
+def moment_slots(optimizer):
+  """``(first moments, second moments)`` of a built Adam, in its variable order.
+
+  Keras 3 keeps them in the private ``_momentums`` and ``_velocities``
+  (keras/src/optimizers/adam.py); tests/test_shared_moment.py fails if they move.
+  """
+  momentums = getattr(optimizer, "_momentums", None)
+  velocities = getattr(optimizer, "_velocities", None)
+  if not momentums or not velocities:
+    raise RuntimeError(f"{type(optimizer).__name__} has no `_momentums`/`_velocities` in "
+                       f"Keras {keras.__version__}: the shared second moment needs updating.")
+  return momentums, velocities
+
+
+def is_sync_step(step, max_interval=None):
+  """Whether the second moments are averaged at ``step`` (an int64 tensor, 1-based)."""
+  step = tf.cast(step, tf.int64)
+  power_of_two = tf.logical_and(step > 0, tf.equal(tf.bitwise.bitwise_and(step, step - 1), 0))
+  if max_interval is None:
+    return power_of_two
+  return tf.logical_or(tf.logical_and(power_of_two, step < max_interval),
+                       tf.equal(step % max_interval, 0))
+
+
+def last_sync_step(step, max_interval=None):
+  """The last sync step at or before ``step`` (>= 1; an int64 tensor)."""
+  step = tf.maximum(tf.cast(step, tf.int64), 1)
+  below = step  # the largest power of two <= step: spread the top bit down, halve
+  for shift in (1, 2, 4, 8, 16, 32):
+    below = tf.bitwise.bitwise_or(below, tf.bitwise.right_shift(below, shift))
+  power = tf.bitwise.right_shift(below + 1, 1)
+  if max_interval is None:
+    return power
+  periodic = (step // max_interval) * max_interval
+  return tf.where(step >= max_interval, periodic, power)
+
+
+def local_moments(m, v, grad, beta_1, beta_2):
+  """One replica's new ``(m, v)`` from its own gradient (Keras' Adam update, unapplied)."""
+  grad = tf.cast(grad, m.dtype)
+  return m + (grad - m) * (1 - beta_1), v + (tf.square(grad) - v) * (1 - beta_2)
+
+
+def step(m, shared_v, learning_rate, t, synced_at, beta_1, beta_2, epsilon):
+  """Adam's update (to add to the weights) from ``m`` and the shared second moment.
+
+  Args:
+    m: this replica's first moment after this step's gradient.
+    shared_v: the second moment every replica shares.
+    learning_rate: the current learning rate (a scalar).
+    t: this step, 1-based (int64 scalar).
+    synced_at: the step the shared moment was last averaged at (``last_sync_step``).
+    beta_1, beta_2, epsilon: Adam's.
+
+  Returns:
+    ``-lr sqrt(1 - beta_2^synced_at) / (1 - beta_1^t) * m / (sqrt(shared_v) + epsilon)``.
+  """
+  dtype = m.dtype
+  t, synced_at = tf.cast(t, dtype), tf.cast(synced_at, dtype)
+  alpha = (tf.cast(learning_rate, dtype) * tf.sqrt(1 - tf.pow(tf.cast(beta_2, dtype), synced_at))
+           / (1 - tf.pow(tf.cast(beta_1, dtype), t)))
+  return -alpha * m / (tf.sqrt(shared_v) + tf.cast(epsilon, dtype))
+
+
+def decayed(optimizer, variable, value):
+  """``value`` after the inner optimizer's decoupled weight decay (AdamW) for ``variable``
+  (unchanged without weight decay or for an excluded variable)."""
+  if not optimizer.weight_decay or not internals.uses_weight_decay(optimizer, variable):
+    return value
+  lr = tf.cast(optimizer.learning_rate, value.dtype)
+  return value - value * tf.cast(optimizer.weight_decay, value.dtype) * lr
