@@ -14,81 +14,15 @@ import pytest
 import tensorflow as tf
 
 import tf_adacomp
+from replica_harness import (DEVICES, PER_REPLICA, assert_replicas_hold, data, fit,
+                             linear_model, np_topk, own_mean_gradients, replica_values,
+                             replica_weights, shards)
 from tf_adacomp import optimizer as optimizer_module
 
 LR, MOMENTUM = 0.05, 0.9
 # A large epsilon: Adam's first step is +-learning_rate on every element otherwise, and
 # TopK's choice among equal magnitudes is arbitrary.
 ADAM = dict(learning_rate=0.01, beta_1=0.9, beta_2=0.999, epsilon=0.1)
-
-
-# --- A tiny linear model whose replicas see different data ----------------------------
-# Each replica's shard of a batch has its own target map, so the replicas' gradients
-# disagree; ``own_mean_gradients`` gives, eagerly and without a strategy, the gradient
-# one replica computes on its shard (as in tests/test_optimizer_adasum.py).
-
-DEVICES = [f"/cpu:{i}" for i in range(4)]
-FEATURES, OUTPUTS, PER_REPLICA = 5, 3, 4
-
-
-def _linear_model():
-  keras.utils.set_random_seed(1)
-  return keras.Sequential([keras.Input([FEATURES]), keras.layers.Dense(OUTPUTS)])
-
-
-def _data(replicas, steps):
-  rng = np.random.default_rng(7)
-  x = rng.standard_normal([steps * replicas * PER_REPLICA, FEATURES]).astype(np.float32)
-  maps = rng.standard_normal([replicas, FEATURES, OUTPUTS]).astype(np.float32)
-  shard = (np.arange(len(x)) // PER_REPLICA) % replicas
-  y = np.einsum("nf,nfo->no", x, maps[shard]).astype(np.float32)
-  return x, y
-
-
-def _own_mean_gradients(weights, x, y):
-  """Per-variable gradients of the mean squared error of one shard (no strategy)."""
-  net = _linear_model()
-  net.set_weights(weights)
-  with tf.GradientTape() as tape:
-    loss = tf.reduce_mean(keras.losses.mean_squared_error(y, net(x)))
-  return [g.numpy() for g in tape.gradient(loss, net.trainable_variables)]
-
-
-def _fit(optimizer, replicas, steps, cross_device_ops=None):
-  """``model.fit`` for ``steps`` steps on ``replicas`` devices; ``optimizer`` is a factory.
-
-  Returns ``(start weights, model, strategy)``.
-  """
-  strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES[:replicas],
-                                                     cross_device_ops=cross_device_ops)
-  x, y = _data(replicas, steps)
-  with strategy.scope():
-    net = _linear_model()
-    net.compile(optimizer=optimizer(), loss="mse")
-  start = net.get_weights()
-  net.fit(x, y, batch_size=replicas * PER_REPLICA, epochs=1, shuffle=False, verbose=0)
-  return start, net, strategy
-
-
-def _shards(replicas, step, steps):
-  """``[(x, y)]`` of each replica at ``step``."""
-  x, y = _data(replicas, steps)
-  batch = slice(step * replicas * PER_REPLICA, (step + 1) * replicas * PER_REPLICA)
-  xb, yb = x[batch], y[batch]
-  return [(xb[r * PER_REPLICA:(r + 1) * PER_REPLICA], yb[r * PER_REPLICA:(r + 1) * PER_REPLICA])
-          for r in range(replicas)]
-
-
-def _replica_weights(net, strategy):
-  """``[[copy on each replica] per trainable variable]``."""
-  return [[c.numpy() for c in strategy.experimental_local_results(v.value)]
-          for v in net.trainable_variables]
-
-
-def _replica_values(variable, strategy):
-  """Each replica's copy of a (Keras) variable."""
-  value = variable.value if isinstance(variable, keras.Variable) else variable
-  return [c.numpy() for c in strategy.experimental_local_results(value)]
 
 
 # --- NumPy references ---------------------------------------------------------------
@@ -130,17 +64,6 @@ class NumpyAdam:
     return out
 
 
-def np_topk(held, density):
-  """TopK with error feedback: (sent values, new residue, sent mask) of ``held``."""
-  flat = held.ravel()
-  k = max(1, math.ceil(density * flat.size))
-  sent = np.zeros(flat.size, bool)
-  sent[np.argsort(-np.abs(flat), kind="stable")[:k]] = True
-  values = np.where(sent, flat, 0).astype(np.float32)
-  return values.reshape(held.shape), np.where(sent, 0, flat).reshape(held.shape), sent.reshape(
-      held.shape)
-
-
 def np_clip(grads, clipnorm):
   norm = math.sqrt(sum(float(np.sum(np.square(g.astype(np.float64)))) for g in grads))
   scale = min(1.0, clipnorm / norm)
@@ -156,8 +79,8 @@ def reference_updates(start, replicas, steps, make_local, density=None, masking=
   clipped = []
   for step in range(steps):
     total = [np.zeros_like(w) for w in weights]
-    for r, (xs, ys) in enumerate(_shards(replicas, step, steps)):
-      grads = _own_mean_gradients(weights, xs, ys)
+    for r, (xs, ys) in enumerate(shards(replicas, step, steps)):
+      grads = own_mean_gradients(weights, xs, ys)
       if clipnorm is not None:
         grads, was_clipped = np_clip(grads, clipnorm)
         clipped.append(was_clipped)
@@ -176,13 +99,6 @@ def reference_updates(start, replicas, steps, make_local, density=None, masking=
   return weights, residues, local, clipped
 
 
-def _assert_replicas_hold(model, strategy, expected, rtol=1e-5, atol=1e-6):
-  for v, copies in enumerate(_replica_weights(model, strategy)):
-    for copy in copies:  # bit-identical on every replica
-      np.testing.assert_array_equal(copy, copies[0])
-    np.testing.assert_allclose(copies[0], expected[v], rtol=rtol, atol=atol)
-
-
 # --- The update exchange ------------------------------------------------------------
 
 
@@ -196,17 +112,17 @@ def uncompressed_fit():
   """The update exchange without compression, 3 replicas, 2 steps: shared by the tests
   that inspect it. ``(replicas, steps, start weights, model, strategy)``."""
   replicas, steps = 3, 2
-  return (replicas, steps, *_fit(_uncompressed_updates, replicas, steps))
+  return (replicas, steps, *fit(_uncompressed_updates, replicas, steps))
 
 
 def test_update_exchange_without_compression_is_the_mean_of_local_momentum_steps(
     uncompressed_fit):
   replicas, steps, start, model, strategy = uncompressed_fit
   expected, _, local, _ = reference_updates(start, replicas, steps, NumpySGD)
-  _assert_replicas_hold(model, strategy, expected)
+  assert_replicas_hold(model, strategy, expected)
   assert int(model.optimizer.iterations.numpy()) == steps
   # Each replica keeps its own velocity (the slots' copies differ on purpose).
-  kernel_velocity = _replica_values(model.optimizer.inner_optimizer.momentums[0], strategy)
+  kernel_velocity = replica_values(model.optimizer.inner_optimizer.momentums[0], strategy)
   for r in range(replicas):
     np.testing.assert_allclose(kernel_velocity[r], local[r].moments[0], rtol=1e-5, atol=1e-6)
   assert not np.allclose(kernel_velocity[0], kernel_velocity[1])
@@ -224,7 +140,7 @@ def test_update_exchange_checkpoints_the_mean_of_the_replicas_slots(tmp_path,
           for v in range(len(start))]
   saved = tf.train.Checkpoint(optimizer=model.optimizer).save(str(tmp_path / "ckpt"))
 
-  restored_model = _linear_model()
+  restored_model = linear_model()
   restored = make()
   restored_model.compile(optimizer=restored, loss="mse")
   restored.build(restored_model.trainable_variables)
@@ -242,20 +158,20 @@ def test_update_exchange_compresses_local_updates_with_error_feedback(inner, mas
   else:
     make_inner = lambda: keras.optimizers.Adam(**ADAM)  # noqa: E731
     make_local = lambda w: NumpyAdam(w, **ADAM)  # noqa: E731
-  start, model, strategy = _fit(lambda: tf_adacomp.CompressedOptimizer(
+  start, model, strategy = fit(lambda: tf_adacomp.CompressedOptimizer(
       make_inner(), tf_adacomp.TopK(density), exchange="updates", momentum_masking=masking),
       replicas, steps)
   expected, residues, local, _ = reference_updates(start, replicas, steps, make_local,
                                                    density=density, masking=masking)
-  _assert_replicas_hold(model, strategy, expected)
+  assert_replicas_hold(model, strategy, expected)
   optimizer = model.optimizer
   for v in range(len(expected)):
-    copies = _replica_values(optimizer.residues[v][0], strategy)
+    copies = replica_values(optimizer.residues[v][0], strategy)
     for r in range(replicas):
       np.testing.assert_allclose(copies[r], residues[r][v], rtol=1e-4, atol=1e-6)
   slots = optimizer_module._first_moment_slots(optimizer.inner_optimizer)  # pylint: disable=protected-access
   for v in range(len(expected)):
-    copies = _replica_values(slots[v], strategy)
+    copies = replica_values(slots[v], strategy)
     for r in range(replicas):
       np.testing.assert_allclose(copies[r], local[r].moments[v], rtol=1e-4, atol=1e-6)
       if masking:  # what the last step sent has no momentum left
@@ -265,7 +181,7 @@ def test_update_exchange_compresses_local_updates_with_error_feedback(inner, mas
 @pytest.mark.parametrize("exchange", ["gradients", "updates"])
 def test_local_clipnorm_clips_each_replicas_own_gradient(exchange):
   replicas, steps, clipnorm = 2, 2, 4.0
-  start, model, strategy = _fit(lambda: tf_adacomp.CompressedOptimizer(
+  start, model, strategy = fit(lambda: tf_adacomp.CompressedOptimizer(
       keras.optimizers.SGD(LR, momentum=MOMENTUM), "none", exchange=exchange,
       local_clipnorm=clipnorm), replicas, steps)
   if exchange == "updates":
@@ -276,45 +192,45 @@ def test_local_clipnorm_clips_each_replicas_own_gradient(exchange):
     sgd, clipped = NumpySGD(weights), []
     for step in range(steps):
       mean = [np.zeros_like(w, np.float64) for w in weights]
-      for xs, ys in _shards(replicas, step, steps):
-        grads, was_clipped = np_clip(_own_mean_gradients(weights, xs, ys), clipnorm)
+      for xs, ys in shards(replicas, step, steps):
+        grads, was_clipped = np_clip(own_mean_gradients(weights, xs, ys), clipnorm)
         clipped.append(was_clipped)
         mean = [m + g / replicas for m, g in zip(mean, grads)]
       weights = sgd.step(weights, mean, step)
     expected = weights
   assert any(clipped) and not all(clipped), clipped  # the threshold bites, not always
-  _assert_replicas_hold(model, strategy, expected)
+  assert_replicas_hold(model, strategy, expected)
 
 
 def test_update_exchange_skips_a_step_with_a_non_finite_gradient_on_one_replica():
   replicas = 2
   strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES[:replicas])
-  x, y = _data(replicas, 1)
+  x, y = data(replicas, 1)
   x[0, 0] = np.inf  # replica 0's shard only
   with strategy.scope():
-    model = _linear_model()
+    model = linear_model()
     model.compile(optimizer=tf_adacomp.CompressedOptimizer(
         keras.optimizers.SGD(LR, momentum=MOMENTUM), tf_adacomp.TopK(0.2),
         exchange="updates", momentum_masking=True, local_clipnorm=1.0), loss="mse")
   start = model.get_weights()
   model.fit(x, y, batch_size=replicas * PER_REPLICA, verbose=0, shuffle=False)
-  for before, copies in zip(start, _replica_weights(model, strategy)):
+  for before, copies in zip(start, replica_weights(model, strategy)):
     for copy in copies:
       np.testing.assert_array_equal(copy, before)
   for state in model.optimizer.residues:
     for variable in state:
-      assert not any(np.any(c) for c in _replica_values(variable, strategy))
+      assert not any(np.any(c) for c in replica_values(variable, strategy))
   for slot in model.optimizer.inner_optimizer.momentums:
-    assert not any(np.any(c) for c in _replica_values(slot, strategy))
+    assert not any(np.any(c) for c in replica_values(slot, strategy))
 
 
 def test_one_replica_update_exchange_is_the_plain_optimizer():
-  x, y = _data(1, 3)
+  x, y = data(1, 3)
   results = []
   for optimizer in (keras.optimizers.Adam(**ADAM),
                     tf_adacomp.CompressedOptimizer(keras.optimizers.Adam(**ADAM), "none",
                                                    exchange="updates")):
-    model = _linear_model()
+    model = linear_model()
     model.compile(optimizer=optimizer, loss="mse")
     model.fit(x, y, batch_size=PER_REPLICA, verbose=0, shuffle=False)
     results.append(model.get_weights())

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 import tf_adacomp
 import tiers
 from tf_adacomp import shared_moment
-from test_optimizer_updates import (_assert_replicas_hold, _fit, _linear_model,
-                                    _own_mean_gradients, _replica_values, _shards, np_topk)
+from replica_harness import (assert_replicas_hold, data, fit, linear_model,
+                             own_mean_gradients, replica_values, shards, np_topk)
 
 ADAM = dict(learning_rate=0.01, beta_1=0.9, beta_2=0.99, epsilon=1e-3)
 
@@ -107,7 +107,7 @@ def reference(start, replicas, steps, density=None, **kwargs):
   adam = NumpySharedAdam(weights, replicas, **kwargs, **ADAM)
   residues = [[np.zeros_like(w) for w in weights] for _ in range(replicas)]
   for step in range(steps):
-    grads = [_own_mean_gradients(weights, xs, ys) for xs, ys in _shards(replicas, step, steps)]
+    grads = [own_mean_gradients(weights, xs, ys) for xs, ys in shards(replicas, step, steps)]
     updates = adam.updates(grads, step + 1)
     total = [np.zeros_like(w) for w in weights]
     for r in range(replicas):
@@ -131,21 +131,21 @@ def _shared(inner=None, compressor="none", **kwargs):
 def uncompressed():
   """3 replicas, 3 steps (averages at steps 1 and 2, not 3), no compression."""
   replicas, steps = 3, 3
-  return (replicas, steps, *_fit(_shared(), replicas, steps))
+  return (replicas, steps, *fit(_shared(), replicas, steps))
 
 
 def test_without_compression_every_replica_takes_adams_step_on_the_mean_gradient(uncompressed):
   replicas, steps, start, model, strategy = uncompressed
   expected, adam, _ = reference(start, replicas, steps)
-  _assert_replicas_hold(model, strategy, expected)
+  assert_replicas_hold(model, strategy, expected)
   optimizer = model.optimizer
   assert int(optimizer.iterations.numpy()) == steps
   momentums, velocities = shared_moment.moment_slots(optimizer.inner_optimizer)
   for k in range(len(start)):
-    np.testing.assert_allclose(_replica_values(optimizer.shared_velocities[k], strategy),
+    np.testing.assert_allclose(replica_values(optimizer.shared_velocities[k], strategy),
                                [adam.shared[k]] * replicas, rtol=1e-5, atol=1e-9)
-    for r, (m, v) in enumerate(zip(_replica_values(momentums[k], strategy),
-                                   _replica_values(velocities[k], strategy))):
+    for r, (m, v) in enumerate(zip(replica_values(momentums[k], strategy),
+                                   replica_values(velocities[k], strategy))):
       np.testing.assert_allclose(m, adam.m[r][k], rtol=1e-5, atol=1e-8)
       np.testing.assert_allclose(v, adam.v[r][k], rtol=1e-5, atol=1e-9)
   # Step 3 was not a sync step: the replicas' own second moments have moved apart.
@@ -156,7 +156,7 @@ def test_the_checkpoint_holds_the_shared_moment(tmp_path, uncompressed):
   replicas, steps, start, model, strategy = uncompressed
   _, adam, _ = reference(start, replicas, steps)
   saved = tf.train.Checkpoint(optimizer=model.optimizer).save(str(tmp_path / "ckpt"))
-  restored_model = _linear_model()
+  restored_model = linear_model()
   restored = _shared()()
   restored_model.compile(optimizer=restored, loss="mse")
   restored.build(restored_model.trainable_variables)
@@ -175,12 +175,12 @@ def test_compressed_steps_keep_error_feedback_and_adamw_decays_as_keras():
     inner.exclude_from_weight_decay(var_names=["bias"])
     return inner
 
-  start, model, strategy = _fit(_shared(adamw, tf_adacomp.TopK(density)), replicas, steps)
+  start, model, strategy = fit(_shared(adamw, tf_adacomp.TopK(density)), replicas, steps)
   expected, _, residues = reference(start, replicas, steps, density=density,
                                     weight_decay=decay, decayed=[0])  # kernel, not bias
-  _assert_replicas_hold(model, strategy, expected)
+  assert_replicas_hold(model, strategy, expected)
   for k in range(len(start)):
-    for r, copy in enumerate(_replica_values(model.optimizer.residues[k][0], strategy)):
+    for r, copy in enumerate(replica_values(model.optimizer.residues[k][0], strategy)):
       np.testing.assert_allclose(copy, residues[r][k], rtol=1e-4, atol=1e-7)
 
 
@@ -188,10 +188,10 @@ def test_compressed_steps_keep_error_feedback_and_adamw_decays_as_keras():
                                   lambda: keras.optimizers.AdamW(weight_decay=0.3, **ADAM)],
                          ids=["Adam", "AdamW"])
 def test_one_replica_is_the_plain_optimizer(make):
-  x, y = _fit.__globals__["_data"](1, 3)
+  x, y = data(1, 3)
   results = []
   for optimizer in (make(), _shared(make)()):
-    model = _linear_model()
+    model = linear_model()
     model.compile(optimizer=optimizer, loss="mse")
     model.fit(x, y, batch_size=4, verbose=0, shuffle=False)
     results.append(model.get_weights())
@@ -202,10 +202,10 @@ def test_one_replica_is_the_plain_optimizer(make):
 def test_a_non_finite_gradient_on_one_replica_changes_nothing():
   replicas = 2
   strategy = tf_adacomp.distribute.mirrored_strategy(devices=["/cpu:0", "/cpu:1"])
-  x, y = _fit.__globals__["_data"](replicas, 1)
+  x, y = data(replicas, 1)
   x[0, 0] = np.inf  # replica 0's shard only
   with strategy.scope():
-    model = _linear_model()
+    model = linear_model()
     model.compile(optimizer=_shared(compressor=tf_adacomp.TopK(0.2))(), loss="mse")
   start = model.get_weights()
   model.fit(x, y, batch_size=replicas * 4, verbose=0, shuffle=False)
@@ -216,7 +216,7 @@ def test_a_non_finite_gradient_on_one_replica_changes_nothing():
   slots = [*shared_moment.moment_slots(optimizer.inner_optimizer)]
   for variable in [*optimizer.shared_velocities, *slots[0], *slots[1],
                    *(s for state in optimizer.residues for s in state)]:
-    assert not any(np.any(c) for c in _replica_values(variable, strategy))
+    assert not any(np.any(c) for c in replica_values(variable, strategy))
 
 
 def test_default_and_config():
