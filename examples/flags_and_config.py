@@ -29,7 +29,7 @@ OPTIMIZER_EXCHANGES = tf_adacomp.optimizer.EXCHANGES
 # The exchange of each reduction when --optimizer_exchange is unset.
 DEFAULT_OPTIMIZER_EXCHANGE = tf_adacomp.optimizer.DEFAULT_EXCHANGE
 LR_SCHEDULES = ("constant", "cosine", "step", "legw")
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "adamw")
 # "none" (TensorFlow's dense all-reduce) first, then the registered compressors.
 COMPRESSORS = ("none", *(c for c in tf_adacomp.available_compressors() if c != "none"))
 
@@ -87,7 +87,11 @@ flags.DEFINE_enum("lr_schedule", None, LR_SCHEDULES,
                   "and warm-up scaled to --batch_size, then polynomial decay to 0.")
 flags.DEFINE_float("warmup_epochs", None, "Epochs of linear warm-up from 0 (legw: at "
                    "--base_batch_size, scaled by batch_size/base_batch_size).")
-flags.DEFINE_enum("optimizer", None, OPTIMIZERS, "Inner optimizer (SGD has momentum 0.9).")
+flags.DEFINE_enum("optimizer", None, OPTIMIZERS, "Inner optimizer (SGD has momentum 0.9; "
+                  "AdamW: Adam with decoupled weight decay, --weight_decay).")
+flags.DEFINE_float("weight_decay", None, "--optimizer=adamw: decoupled weight decay "
+                   f"({optimizers.ADAMW_WEIGHT_DECAY}), not applied to biases, "
+                   "normalisation scales and offsets, or embeddings.")
 flags.DEFINE_string("model_dir", None, "Checkpoints (with residues, resumed from when "
                     "present), TensorBoard logs and summary.json.")
 flags.DEFINE_string("data_dir", None, "tensorflow-datasets data directory (Fashion-MNIST: "
@@ -130,6 +134,7 @@ class Config:
   lr_schedule: str = "constant"
   warmup_epochs: float = 0.0
   optimizer: str = "sgd"
+  weight_decay: Optional[float] = None  # adamw only; None: optimizers.ADAMW_WEIGHT_DECAY
   model_dir: Optional[str] = None
   data_dir: Optional[str] = None
   synthetic: bool = False
@@ -208,6 +213,11 @@ def validate(config: Config):
          "updates or --adasum_mode=delta)")
   need(config.lr_schedule in LR_SCHEDULES, "lr_schedule", f"one of {LR_SCHEDULES}")
   need(config.optimizer in OPTIMIZERS, "optimizer", f"one of {OPTIMIZERS}")
+  need(config.weight_decay is None or (config.weight_decay >= 0
+                                       and math.isfinite(config.weight_decay)),
+       "weight_decay", "a finite number >= 0 or unset")
+  need(config.weight_decay is None or config.optimizer == "adamw", "weight_decay",
+       "unset unless optimizer='adamw' (only AdamW decays weights)")
   need(config.replicas is None or config.replicas >= 1, "replicas", ">= 1")
   for name in ("epochs", "batch_size"):
     need(getattr(config, name) >= 1, name, ">= 1")

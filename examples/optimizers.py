@@ -8,6 +8,13 @@ import keras
 
 import tf_adacomp
 
+# --optimizer=adamw: the weight decay when --weight_decay is unset, and the variables it
+# spares (as GPT's training does): biases, LayerNorm's (and BatchNorm's) scales and
+# offsets, embeddings. Keras matches these in each variable's own name ("bias",
+# "gamma", ...).
+ADAMW_WEIGHT_DECAY = 0.01
+NO_WEIGHT_DECAY = ("bias", "gamma", "beta", "embeddings")
+
 
 def make_compressor(config):
   """The ``tf_adacomp`` compressor the flags describe."""
@@ -38,6 +45,10 @@ def make_optimizer(config, steps_per_epoch: int):
         warmup_steps=int(round(config.warmup_epochs * steps_per_epoch)))
   if config.optimizer == "sgd":
     inner = keras.optimizers.SGD(rate, momentum=0.9)
+  elif config.optimizer == "adamw":
+    decay = ADAMW_WEIGHT_DECAY if config.weight_decay is None else config.weight_decay
+    inner = keras.optimizers.AdamW(rate, weight_decay=decay)
+    inner.exclude_from_weight_decay(var_names=list(NO_WEIGHT_DECAY))
   else:
     inner = keras.optimizers.Adam(rate)
   plain = (config.compressor == "none" and config.reduction == "sum"

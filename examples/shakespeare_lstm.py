@@ -30,7 +30,8 @@ OPTIONS = dict(seq_length=100, lstm_units=512, embedding_dim=64, text_files=None
 TEST_FRACTION = 0.05  # of --text_files, held out at the end
 SYNTHETIC_VOCABULARY = 65  # tiny_shakespeare's alphabet size
 
-flags.DEFINE_integer("seq_length", None, "Characters per training window (100).")
+flags.DEFINE_integer("seq_length", None, "Characters per training window (100; "
+                     "shakespeare_transformer: 128).")
 flags.DEFINE_integer("lstm_units", None, "LSTM width (512).")
 flags.DEFINE_integer("embedding_dim", None, "Character embedding width (64).")
 flags.DEFINE_string("text_files", None, "Instead of tfds tiny_shakespeare: comma-separated "

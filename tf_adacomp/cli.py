@@ -24,7 +24,7 @@ import tempfile
 from tf_adacomp import quiet as quiet_start_up
 
 EXAMPLES = ("fashion_mnist", "cifar10_resnet", "cifar10_resist", "imagenet_resnet50",
-            "shakespeare_lstm")
+            "shakespeare_lstm", "shakespeare_transformer")
 _HELP_FLAGS = {"--help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml"}  # absl's
 
 

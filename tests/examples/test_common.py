@@ -37,6 +37,10 @@ def test_example_defaults_then_overrides():
     ({"strategy": "one_device", "replicas": 2}, "replicas=2"),
     ({"exchange": "cross_device_ops", "strategy": "one_device"}, "strategy='one_device'"),
     ({"lr_schedule": "poly"}, "lr_schedule='poly'"),
+    ({"optimizer": "lamb"}, "optimizer='lamb'"),
+    ({"weight_decay": 0.1}, "weight_decay=0.1"),  # with SGD: nothing would read it
+    ({"optimizer": "adamw", "weight_decay": -0.01}, "weight_decay=-0.01"),
+    ({"optimizer": "adamw", "weight_decay": math.nan}, "weight_decay=nan"),
     ({"lr_schedule": "legw", "base_batch_size": 0}, "base_batch_size=0"),
     ({"base_batch_size": 64}, "base_batch_size=64"),  # with cosine: nothing would read it
     # legw: 1 base epoch x k=8 = 8 epochs of warm-up > 2
@@ -86,6 +90,32 @@ def test_adasum_flags_reach_the_optimizer_and_the_cross_device_ops():
   strategy = distribution.make_strategy(config)
   assert strategy.extended._cross_device_ops.reduction == "adasum"  # pylint: disable=protected-access
   assert not isinstance(optimizers.make_optimizer(config, 10), tf_adacomp.CompressedOptimizer)
+
+
+@pytest.mark.parametrize("name,kind", [("sgd", "SGD"), ("adam", "Adam"),
+                                       ("adamw", "AdamW")])
+def test_the_optimizer_flag_picks_the_inner_optimizer(name, kind):
+  import keras
+  for compressor in ("none", "adacomp"):  # the optimizer itself, or in the wrapper
+    optimizer = optimizers.make_optimizer(flags_and_config.make_config(
+        fashion_mnist, optimizer=name, compressor=compressor), steps_per_epoch=10)
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    assert type(inner) is getattr(keras.optimizers, kind)  # pylint: disable=unidiomatic-typecheck
+  assert (inner.weight_decay is None) == (name != "adamw")
+
+
+def test_adamw_decays_kernels_only_and_takes_the_weight_decay_flag():
+  import keras
+  config = flags_and_config.make_config(fashion_mnist, optimizer="adamw", compressor="none")
+  assert optimizers.make_optimizer(config, 10).weight_decay == optimizers.ADAMW_WEIGHT_DECAY
+  config = flags_and_config.make_config(fashion_mnist, optimizer="adamw", weight_decay=0.05)
+  optimizer = optimizers.make_optimizer(config, 10)
+  assert optimizer.weight_decay == 0.05  # read through the CompressedOptimizer
+  model = keras.Sequential([keras.Input([3], dtype="int32"), keras.layers.Embedding(5, 4),
+                            keras.layers.LayerNormalization(), keras.layers.Dense(2)])
+  decayed = [v.name for v in model.trainable_variables
+             if optimizer.inner_optimizer._use_weight_decay(v)]  # pylint: disable=protected-access
+  assert decayed == ["kernel"]  # not embeddings, gamma, beta or bias
 
 
 def test_compressor_options_reach_the_compressor():
