@@ -33,6 +33,9 @@ KINDS = ("conv", "dense", "recurrent", "vector")
 
 # Layer-name fragments of Keras' recurrent layers (LSTM, GRU, SimpleRNN, their cells).
 _RECURRENT_LAYER_WORDS = ("lstm", "gru", "rnn")
+# The EinsumDense projections of Keras' MultiHeadAttention (and KerasHub's attention
+# layers): their rank-3 kernels ([model, heads, head] and back) are dense matrices.
+_ATTENTION_PROJECTIONS = ("query", "key", "value", "attention_output")
 
 
 def infer_kind(shape: tf.TensorShape, name: str = "") -> str:
@@ -41,8 +44,10 @@ def infer_kind(shape: tf.TensorShape, name: str = "") -> str:
   ``recurrent`` for variables named "recurrent..." (Keras LSTM/GRU
   ``recurrent_kernel``) and for the matrices of recurrent cells ("lstm", "gru", "rnn" in
   the name of the layer or cell holding the variable: the input kernel of an LSTM cell
-  belongs to the recurrent layer, as in the paper's LSTM figures); ``conv`` for kernels
-  of rank 3 or more, ``dense`` for rank 2, ``vector`` otherwise (biases, normalisation
+  belongs to the recurrent layer, as in the paper's LSTM figures); ``dense`` for rank 2
+  and for the rank-3 kernels of attention projections and other ``EinsumDense`` layers
+  (a layer named "query", "key", "value", "attention_output" or "einsum_dense...");
+  ``conv`` for other kernels of rank 3 or more; ``vector`` otherwise (biases, normalisation
   scales and offsets). Only the last two parts of a Keras path
   ("model/layer/cell/variable") are read, so a model's own name changes nothing.
   """
@@ -53,6 +58,8 @@ def infer_kind(shape: tf.TensorShape, name: str = "") -> str:
       word in owner for word in _RECURRENT_LAYER_WORDS)):
     return "recurrent"
   if rank is not None and rank >= 3:
+    if owner in _ATTENTION_PROJECTIONS or owner.startswith("einsum_dense"):
+      return "dense"
     return "conv"
   if rank == 2:
     return "dense"
