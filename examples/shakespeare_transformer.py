@@ -10,11 +10,11 @@ multi-head self-attention and a 4x GELU MLP, each added back to its input, a fin
 LayerNorm and a Dense over the alphabet. AdamW (weight decay 0.01, not on biases,
 LayerNorm and embeddings) with linear warm-up and cosine decay, by default.
 
-AdaComp's kinds (``tf_adacomp.compressors.base.infer_kind``, by rank): the attention's
-query, key, value and output kernels (rank 3, ``[embed, heads, head]``) are ``conv``
-(L_T ``--conv_bin_size``, 50); the embeddings, the MLP's and the output's kernels and the
-``[heads, head]`` query/key/value biases ``dense`` (``--dense_bin_size``, 500); the other
-biases and LayerNorm's scales and offsets ``vector``.
+AdaComp's kinds (``tf_adacomp.compressors.base.infer_kind``): the attention's query,
+key, value and output kernels (rank 3, ``[embed, heads, head]``), the embeddings, the
+MLP's and the output's kernels and the ``[heads, head]`` query/key/value biases are
+``dense`` (L_T ``--dense_bin_size``, 500); the other biases and LayerNorm's scales and
+offsets ``vector``.
 
     python -m tf_adacomp.examples.shakespeare_transformer --replicas=4 --compressor=adacomp
 """
