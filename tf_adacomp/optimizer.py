@@ -481,7 +481,15 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
                 for s in exchanged.sums]
     finite = tf.logical_and(stepped, fused.all_finite(combined))
     self._keep_states(indices, states, exchanged.states, finite)
-    self._record_bytes(indices, exchanged.nbytes)
+    # Every byte counts: a sync step also sends each second moment, dense float32.
+    nbytes = list(exchanged.nbytes)
+    for k in present:
+      size = variables[k].shape.num_elements() * tf.as_dtype(variables[k].dtype).size
+      moment_bytes = tf.where(sync, tf.constant(size, tf.int64),
+                              tf.constant(0, tf.int64))
+      nbytes[k] = (moment_bytes if nbytes[k] is None
+                   else tf.cast(nbytes[k], tf.int64) + moment_bytes)
+    self._record_bytes(indices, nbytes)
     targets, values = [], []
     for j, m, v, v_shared, m_old, v_old, s, s_old in zip(
         slots, new_m, new_v, shared_v, old["m"], old["v"], shared, old["shared"]):

@@ -36,7 +36,7 @@ def test_smoke_dense_and_per_bin_adacomp(tmp_path):
   assert rows["none"]["gap_points"] == 0.0 and rows["none"]["seeds"] == [0]
   assert rows["adacomp-bin"]["compression"]["dense"] > 5  # scales counted, still compact
   runs = out["models"]["mlp"]["runs"]["adacomp-bin"]
-  assert [step for step, _ in runs[0]["curve"]] == [2, 4]
+  assert [point[0] for point in runs[0]["curve"]] == [2, 4]
   assert (tmp_path / "c.png").stat().st_size > 0
 
 
