@@ -92,6 +92,12 @@ VARIANTS = {
     "adacomp+updates+shared64": ("adacomp", {}, {"exchange": "updates",
                                                  "second_moment": "shared",
                                                  "second_moment_interval": 64}),
+    "none+updates+shared1": ("none", {}, {"exchange": "updates", "second_moment": "shared",
+                                          "second_moment_interval": 1}),
+    # "global": the shared second moment corrected for the replicas' smaller batches.
+    "adacomp+updates+global": ("adacomp", {}, {"exchange": "updates",
+                                               "second_moment": "global"}),
+    "none+updates+global": ("none", {}, {"exchange": "updates", "second_moment": "global"}),
     "none+updates+local": ("none", {}, {"exchange": "updates", "second_moment": "local"}),
     "none+updates+shared": ("none", {}, {"exchange": "updates", "second_moment": "shared"}),
 }

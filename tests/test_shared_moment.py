@@ -61,6 +61,28 @@ def test_step_is_keras_adams_step_when_the_moment_is_fresh():
   np.testing.assert_allclose(w + update.numpy(), variable.numpy(), rtol=1e-6, atol=1e-7)
 
 
+def test_global_moment_recovers_the_mean_gradients_second_moment():
+  # Replicas whose gradients are a fixed G plus white noise of variance S: the mean of R
+  # has second moment G^2 + S / R, which the replicas' own v (G^2 + S) overstates.
+  replicas, steps, b1, b2 = 4, 400, 0.9, 0.98
+  rng = np.random.default_rng(0)
+  signal = np.concatenate([np.zeros(2000), np.full(2000, 1.0), np.full(2000, 0.2)])
+  noise = np.concatenate([np.full(2000, 1.0), np.zeros(2000), np.full(2000, 1.0)])
+  m = v = w = [tf.zeros(signal.size, tf.float64)] * replicas
+  for t in range(1, steps + 1):
+    grads = signal + np.sqrt(noise) * rng.standard_normal([replicas, signal.size])
+    pairs = [shared_moment.local_moments(m[r], v[r], grads[r], b1, b2) for r in range(replicas)]
+    m, v = [p[0] for p in pairs], [p[1] for p in pairs]
+    w = [shared_moment.local_momentum_square(w[r], m[r], t, b1, b2) for r in range(replicas)]
+  correction = 1 - b2 ** steps
+  mean_v, mean_w = (tf.add_n(x) / replicas / correction for x in (v, w))
+  estimate = shared_moment.global_moment(mean_v, mean_w, replicas, b1).numpy()
+  truth = signal ** 2 + noise / replicas
+  for part in (slice(0, 2000), slice(2000, 4000), slice(4000, 6000)):
+    assert abs(np.mean(estimate[part]) / np.mean(truth[part]) - 1) < 0.1, part
+  assert np.mean(mean_v.numpy()[:2000]) > 3 * np.mean(truth[:2000])  # what "shared" uses
+
+
 # --- CompressedOptimizer(second_moment="shared") under model.fit ------------------------
 
 
@@ -68,14 +90,15 @@ class NumpySharedAdam:
   """The algorithm of shared_moment's docstring for all replicas, in float64."""
 
   def __init__(self, weights, replicas, max_interval=None, weight_decay=None, decayed=None,
-               **adam):
+               mode="shared", **adam):
     self.lr, self.b1, self.b2, self.eps = (adam["learning_rate"], adam["beta_1"],
                                            adam["beta_2"], adam["epsilon"])
-    self.replicas, self.max_interval = replicas, max_interval
+    self.replicas, self.max_interval, self.mode = replicas, max_interval, mode
     self.wd, self.decayed = weight_decay, decayed or []
     zeros = lambda: [np.zeros_like(w, np.float64) for w in weights]  # noqa: E731
     self.m = [zeros() for _ in range(replicas)]
     self.v = [zeros() for _ in range(replicas)]
+    self.w = [zeros() for _ in range(replicas)]  # moving average of (m / (1 - b1^t))^2
     self.shared = zeros()
 
   def updates(self, grads, t):
@@ -84,12 +107,17 @@ class NumpySharedAdam:
       for k, g in enumerate(grads[r]):
         self.m[r][k] += (g - self.m[r][k]) * (1 - self.b1)
         self.v[r][k] += (g * g - self.v[r][k]) * (1 - self.b2)
+        m_hat = self.m[r][k] / (1 - self.b1 ** t)
+        self.w[r][k] += (m_hat * m_hat - self.w[r][k]) * (1 - self.b2)
     syncs = py_sync_steps(t, self.max_interval)
     if self.replicas == 1 or syncs[-1] == t:
       for k in range(len(self.shared)):
-        self.shared[k] = np.mean([self.v[r][k] for r in range(self.replicas)], axis=0)
+        v = np.mean([self.v[r][k] for r in range(self.replicas)], axis=0)
+        w = np.mean([self.w[r][k] for r in range(self.replicas)], axis=0)
+        self.shared[k] = v if self.mode == "shared" else np_global_moment(
+            v, w, self.replicas, self.b1)
         for r in range(self.replicas):
-          self.v[r][k] = self.shared[k].copy()
+          self.v[r][k], self.w[r][k] = v.copy(), w.copy()
     s = t if self.replicas == 1 else syncs[-1]
     alpha = self.lr * math.sqrt(1 - self.b2 ** s) / (1 - self.b1 ** t)
     return [[(-alpha * m / (np.sqrt(v) + self.eps)).astype(np.float32)
@@ -100,6 +128,13 @@ class NumpySharedAdam:
       return weights
     return [w - w * np.float32(self.wd * self.lr) if k in self.decayed else w
             for k, w in enumerate(weights)]
+
+
+def np_global_moment(v, w, replicas, beta_1):
+  """G^2 + S / R from v = G^2 + S and w = G^2 + c S, clipped to [v / R, v]."""
+  c = (1 - beta_1) / (1 + beta_1)
+  signal, noise = (w - c * v) / (1 - c), (v - w) / (1 - c)
+  return np.clip(signal + noise / replicas, v / replicas, v)
 
 
 def reference(start, replicas, steps, density=None, **kwargs):
@@ -121,22 +156,23 @@ def reference(start, replicas, steps, density=None, **kwargs):
   return weights, adam, residues
 
 
-def _shared(inner=None, compressor="none", **kwargs):
+def _shared(inner=None, compressor="none", mode="shared", **kwargs):
   return lambda: tf_adacomp.CompressedOptimizer(
       inner() if inner else keras.optimizers.Adam(**ADAM), compressor, exchange="updates",
-      second_moment="shared", **kwargs)
+      second_moment=mode, **kwargs)
 
 
-@pytest.fixture(scope="module")
-def uncompressed():
+@pytest.fixture(scope="module", params=["shared", "global"])
+def uncompressed(request):
   """3 replicas, 3 steps (averages at steps 1 and 2, not 3), no compression."""
   replicas, steps = 3, 3
-  return (replicas, steps, *fit(_shared(), replicas, steps))
+  return (replicas, steps, request.param,
+          *fit(_shared(mode=request.param), replicas, steps))
 
 
 def test_without_compression_every_replica_takes_adams_step_on_the_mean_gradient(uncompressed):
-  replicas, steps, start, model, strategy = uncompressed
-  expected, adam, _ = reference(start, replicas, steps)
+  replicas, steps, mode, start, model, strategy = uncompressed
+  expected, adam, _ = reference(start, replicas, steps, mode=mode)
   assert_replicas_hold(model, strategy, expected)
   optimizer = model.optimizer
   assert int(optimizer.iterations.numpy()) == steps
@@ -148,30 +184,41 @@ def test_without_compression_every_replica_takes_adams_step_on_the_mean_gradient
                                    replica_values(velocities[k], strategy))):
       np.testing.assert_allclose(m, adam.m[r][k], rtol=1e-5, atol=1e-8)
       np.testing.assert_allclose(v, adam.v[r][k], rtol=1e-5, atol=1e-9)
+    if mode == "global":
+      for r, w in enumerate(replica_values(optimizer.momentum_squares[k], strategy)):
+        np.testing.assert_allclose(w, adam.w[r][k], rtol=1e-5, atol=1e-9)
   # Step 3 was not a sync step: the replicas' own second moments have moved apart.
   assert not np.allclose(adam.v[0][0], adam.v[1][0])
+  if mode == "global":  # the estimate is neither bound everywhere
+    v = np.mean([adam.v[r][0] for r in range(replicas)], axis=0)
+    assert np.any((adam.shared[0] < v) & (adam.shared[0] > v / replicas))
 
 
-@pytest.mark.parametrize("steps", [1, 3])
-def test_bytes_count_the_second_moment_at_sync_steps(steps):
-  # Step 1 averages the second moments (a dense float32 all-reduce), step 3 does not.
-  _, model, _ = fit(_shared(), 2, steps)
+@pytest.mark.parametrize("steps,mode", [(1, "shared"), (3, "shared"), (1, "global")])
+def test_bytes_count_the_averaged_moments_at_sync_steps(steps, mode):
+  # Step 1 averages the moments (dense float32: v, and w for "global"), step 3 does not.
+  _, model, _ = fit(_shared(mode=mode), 2, steps)
+  averaged = 2 if mode == "global" else 1
   for plan, nbytes in model.optimizer.variable_bytes():
     size = 4 * plan.shape.num_elements()
-    assert nbytes == (2 * size if steps == 1 else size), (plan, nbytes)
+    assert nbytes == ((1 + averaged) * size if steps == 1 else size), (plan, nbytes)
 
 
 def test_the_checkpoint_holds_the_shared_moment(tmp_path, uncompressed):
-  replicas, steps, start, model, strategy = uncompressed
-  _, adam, _ = reference(start, replicas, steps)
+  replicas, steps, mode, start, model, strategy = uncompressed
+  _, adam, _ = reference(start, replicas, steps, mode=mode)
   saved = tf.train.Checkpoint(optimizer=model.optimizer).save(str(tmp_path / "ckpt"))
   restored_model = linear_model()
-  restored = _shared()()
+  restored = _shared(mode=mode)()
   restored_model.compile(optimizer=restored, loss="mse")
   restored.build(restored_model.trainable_variables)
   tf.train.Checkpoint(optimizer=restored).restore(saved)
   for k, variable in enumerate(restored.shared_velocities):
     np.testing.assert_allclose(variable.numpy(), adam.shared[k], rtol=1e-5, atol=1e-9)
+    if mode == "global":  # the mean of the replicas' own
+      np.testing.assert_allclose(restored.momentum_squares[k].numpy(),
+                                 np.mean([adam.w[r][k] for r in range(replicas)], axis=0),
+                                 rtol=1e-5, atol=1e-9)
   assert int(restored.iterations.numpy()) == steps
   del strategy
 
@@ -249,7 +296,8 @@ def test_default_and_config():
 
 
 @pytest.mark.parametrize("inner,kwargs,match", [
-    (None, {"second_moment": "global"}, r"second_moment='global'"),
+    (None, {"second_moment": "mean"}, r"second_moment='mean'"),
+    (None, {"second_moment": "global", "exchange": "gradients"}, r"exchange='gradients'"),
     (None, {"second_moment": "shared", "exchange": "gradients"}, r"exchange='gradients'"),
     (None, {"second_moment": "shared", "reduction": "adasum"}, r"reduction='adasum'"),
     (None, {"second_moment": "shared", "momentum_masking": True}, r"momentum_masking=True"),

@@ -298,13 +298,12 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     self._compile_log = compile_log.FirstCompile(
         "CompressedOptimizer", lambda: int(self.iterations.numpy()) > first)
     self._compile_log.start()
-    if self.second_moment == "shared":
-      # The second moment every replica divides by (equal on all; a checkpoint stores it).
-      self.shared_velocities = [
-          self._add_replica_variable(v, tf.TensorSpec(v.shape, v.dtype),
-                                     _variable_path(v).replace("/", "_").replace(":", "_")
-                                     + "_shared_velocity", aggregation="mean")
-          for v in var_list]
+    if self.second_moment in ("shared", "global"):
+      # The second moment every replica divides by (equal on all; a checkpoint stores
+      # it) and, for "global", each replica's moment of its squared first moment.
+      self.shared_velocities = self._add_moment_variables(var_list, "shared_velocity")
+      if self.second_moment == "global":
+        self.momentum_squares = self._add_moment_variables(var_list, "momentum_square")
     if self.exchange == "updates":
       # Each replica steps the inner optimizer with its own state, so its slots hold one
       # value per replica (on-read, as the residues), and a checkpoint stores their mean
@@ -322,6 +321,14 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       super().build(var_list)
     finally:
       self._reading_own_settings = False
+
+  def _add_moment_variables(self, var_list, suffix):
+    """One float variable per variable of ``var_list``, a value per replica, stored as
+    the replicas' mean (``_add_replica_variable``)."""
+    return [self._add_replica_variable(
+        v, tf.TensorSpec(v.shape, v.dtype),
+        _variable_path(v).replace("/", "_").replace(":", "_") + "_" + suffix,
+        aggregation="mean") for v in var_list]
 
   def _add_replica_variable(self, reference, spec, name, aggregation=None):
     """A variable with one value per replica (each replica's residue is its own).
@@ -370,7 +377,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     dense = self.iterations < self.start_step if self.start_step else None
     replicas = tf.distribute.get_replica_context().num_replicas_in_sync
 
-    if self.second_moment == "shared":
+    if self.second_moment in ("shared", "global"):
       self._apply_shared_moment(grads, trainable_variables, indices, plans, states, dense)
       return
     if self.exchange == "updates":
@@ -428,9 +435,9 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
 
   def _apply_shared_moment(self, grads, variables, indices, plans, states, dense):
     """The update exchange with Adam's second moment shared by every replica
-    (``shared_moment``): local first and second moments, the shared one averaged at the
-    sync steps, the replicas' steps compressed and their mean applied. A step whose
-    gradient is not finite on some replica, or whose combined step is not, changes
+    (``shared_moment``): local moments, the shared one computed from the replicas' means
+    at the sync steps, the replicas' steps compressed and their mean applied. A step
+    whose gradient is not finite on some replica, or whose combined step is not, changes
     nothing (weights, moments, residues, ``iterations``)."""
     ctx = tf.distribute.get_replica_context()
     replicas = ctx.num_replicas_in_sync
@@ -451,28 +458,45 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     learning_rate = inner.learning_rate
     momentums, velocities = shared_moment.moment_slots(inner)
     present = [k for k, g in enumerate(own) if g is not None]
+    indices_present = [indices[k] for k in present]
     slots = [inner._get_variable_index(variables[k]) for k in present]  # pylint: disable=protected-access
-    shared = [self.shared_velocities[indices[k]] for k in present]
-    old = {"m": [tf.convert_to_tensor(momentums[j]) for j in slots],
-           "v": [tf.convert_to_tensor(velocities[j]) for j in slots],
-           "shared": [tf.convert_to_tensor(s) for s in shared]}
-    new_m, new_v = [], []
+    # Per variable: the inner optimizer's first and second moments (this replica's),
+    # the shared second moment and, for "global", this replica's moment of m^2.
+    tracked = {"m": [momentums[j] for j in slots], "v": [velocities[j] for j in slots],
+               "shared": [self.shared_velocities[i] for i in indices_present]}
+    if self.second_moment == "global":
+      tracked["w"] = [self.momentum_squares[i] for i in indices_present]
+    old = {key: [tf.convert_to_tensor(x) for x in xs] for key, xs in tracked.items()}
+    new = {"m": [], "v": [], "w": []}
     for k, m, v in zip(present, old["m"], old["v"]):
       m, v = shared_moment.local_moments(m, v, own[k], inner.beta_1, inner.beta_2)
-      new_m.append(m)
-      new_v.append(v)
+      new["m"].append(m)
+      new["v"].append(v)
+    for m, w in zip(new["m"], old.get("w", [])):
+      new["w"].append(shared_moment.local_momentum_square(w, m, t, inner.beta_1, inner.beta_2))
+    averaged = ["v", "w"] if "w" in tracked else ["v"]
 
     def average(values):
-      mean = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.MEAN, values)
-      self._assign_per_replica(shared, mean)
+      means = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.MEAN,
+                                                             values)
+      mean = dict(zip(averaged, (means[i * len(present):(i + 1) * len(present)]
+                                 for i in range(len(averaged)))))
+      shared = (mean["v"] if self.second_moment == "shared" else
+                [shared_moment.global_moment(v, w, replicas, inner.beta_1)
+                 for v, w in zip(mean["v"], mean["w"])])
+      # Each replica's own moments restart from the replicas' mean (which they keep).
+      self._assign_per_replica(
+          tracked["shared"] + [x for key in averaged for x in tracked[key]],
+          shared + [x for key in averaged for x in mean[key]])
       return tf.constant(True)
 
-    with tf.control_dependencies(old["shared"]):
-      self._on_every_replica_if(sync, average, new_v)
+    with tf.control_dependencies([x for xs in old.values() for x in xs]):
+      self._on_every_replica_if(sync, average, [x for key in averaged for x in new[key]])
     # Automatic control dependencies order these reads after the average.
-    shared_v = [tf.convert_to_tensor(s) for s in shared]
+    after = {key: [tf.convert_to_tensor(x) for x in tracked[key]]
+             for key in ["shared"] + averaged}
     deltas = [None] * len(own)
-    for k, m, v in zip(present, new_m, shared_v):
+    for k, m, v in zip(present, new["m"], after["shared"]):
       update = shared_moment.step(m, v, learning_rate, t, synced_at, inner.beta_1,
                                   inner.beta_2, inner.epsilon)
       deltas[k] = tf.where(stepped, update, tf.zeros_like(update))
@@ -481,23 +505,26 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
                 for s in exchanged.sums]
     finite = tf.logical_and(stepped, fused.all_finite(combined))
     self._keep_states(indices, states, exchanged.states, finite)
-    # Every byte counts: a sync step also sends each second moment, dense float32.
+    # Every byte counts: a sync step also sends the averaged moments, dense float32.
     nbytes = list(exchanged.nbytes)
     for k in present:
-      size = variables[k].shape.num_elements() * tf.as_dtype(variables[k].dtype).size
-      moment_bytes = tf.where(sync, tf.constant(size, tf.int64),
-                              tf.constant(0, tf.int64))
+      size = (len(averaged) * variables[k].shape.num_elements()
+              * tf.as_dtype(variables[k].dtype).size)
+      moment_bytes = tf.where(sync, tf.constant(size, tf.int64), tf.constant(0, tf.int64))
       nbytes[k] = (moment_bytes if nbytes[k] is None
                    else tf.cast(nbytes[k], tf.int64) + moment_bytes)
     self._record_bytes(indices, nbytes)
     targets, values = [], []
-    for j, m, v, v_shared, m_old, v_old, s, s_old in zip(
-        slots, new_m, new_v, shared_v, old["m"], old["v"], shared, old["shared"]):
-      targets += [momentums[j], velocities[j], s]
-      values += [tf.where(finite, m, m_old),
-                 # After an average each replica's own moment restarts from the mean.
-                 tf.where(finite, tf.where(sync, v_shared, v), v_old),
-                 tf.where(finite, v_shared, s_old)]
+    for key in tracked:
+      for i, variable in enumerate(tracked[key]):
+        if key == "shared":
+          value = after[key][i]
+        elif key == "m":
+          value = new[key][i]
+        else:  # the replicas' mean after an average, this replica's own otherwise
+          value = tf.where(sync, after[key][i], new[key][i])
+        targets.append(variable)
+        values.append(tf.where(finite, value, old[key][i]))
     pairs = [(variables[k], fused.add_if(
         finite, shared_moment.decayed(inner, variables[k], tf.convert_to_tensor(variables[k])),
         combined[k])) for k in present]
@@ -728,13 +755,13 @@ def _resolve_second_moment(second_moment, exchange, reduction, inner_optimizer,
   if second_moment == "local":
     return second_moment
   if exchange != "updates" or reduction != "sum":
-    raise ValueError("`second_moment='shared'` shares Adam's second moment in the update "
-                     "exchange and needs exchange='updates' and reduction='sum'. Received: "
-                     f"exchange={exchange!r}, reduction={reduction!r}")
+    raise ValueError(f"`second_moment={second_moment!r}` shares Adam's second moment in the "
+                     "update exchange and needs exchange='updates' and reduction='sum'. "
+                     f"Received: exchange={exchange!r}, reduction={reduction!r}")
   if momentum_masking:
-    raise ValueError("`second_moment='shared'` does not take momentum_masking=True. "
-                     "Received: momentum_masking=True")
-  shared_moment.check_inner(inner_optimizer)
+    raise ValueError(f"`second_moment={second_moment!r}` does not take "
+                     "momentum_masking=True. Received: momentum_masking=True")
+  shared_moment.check_inner(inner_optimizer, second_moment)
   return second_moment
 
 
@@ -760,9 +787,10 @@ def _check_second_moment_interval(interval, second_moment):
   if interval is None:
     return None
   interval = checks.positive_int(interval, "second_moment_interval")
-  if second_moment != "shared":
+  if second_moment == "local":
     raise ValueError("`second_moment_interval` is the longest interval between averages "
-                     "of the shared second moment and needs second_moment='shared'. "
+                     "of the shared second moment and needs second_moment='shared' or "
+                     "'global'. "
                      f"Received: second_moment_interval={interval!r}, "
                      f"second_moment={second_moment!r}")
   return interval

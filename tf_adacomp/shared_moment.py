@@ -36,7 +36,7 @@ import tensorflow as tf
 
 from tf_adacomp.compat import internals
 
-SECOND_MOMENTS = ("local", "shared")
+SECOND_MOMENTS = ("local", "shared", "global")
 
 
 def supports(optimizer) -> bool:
@@ -44,7 +44,7 @@ def supports(optimizer) -> bool:
   return isinstance(optimizer, keras.optimizers.Adam) and not optimizer.amsgrad
 
 
-def check_inner(optimizer) -> None:
+def check_inner(optimizer, second_moment="shared") -> None:
   """Raises ValueError unless ``optimizer`` can take the shared-moment step.
 
   The step is computed here, not by ``optimizer.apply``, so the settings that ``apply``
@@ -53,7 +53,8 @@ def check_inner(optimizer) -> None:
   """
   if not supports(optimizer):
     raise ValueError(
-        "`second_moment='shared'` computes Adam's step and needs a keras.optimizers.Adam "
+        f"`second_moment={second_moment!r}` computes Adam's step and needs a "
+        "keras.optimizers.Adam "
         "or AdamW without amsgrad. Received: inner_optimizer="
         f"{optimizer!r}" + (" with amsgrad=True" if getattr(optimizer, "amsgrad", False)
                             else ""))
@@ -65,7 +66,8 @@ def check_inner(optimizer) -> None:
     if value != default:
       hint = (" (use CompressedOptimizer(local_clipnorm=...) to clip each replica's "
               "gradient)" if "clip" in name else "")
-      raise ValueError(f"`second_moment='shared'` does not apply the inner optimizer's "
+      raise ValueError(f"`second_moment={second_moment!r}` does not apply the inner "
+                       "optimizer's "
                        f"`{name}`{hint}. Received: {name}={value!r}")
 
 
@@ -110,6 +112,30 @@ def local_moments(m, v, grad, beta_1, beta_2):
   """One replica's new ``(m, v)`` from its own gradient (Keras' Adam update, unapplied)."""
   grad = tf.cast(grad, m.dtype)
   return m + (grad - m) * (1 - beta_1), v + (tf.square(grad) - v) * (1 - beta_2)
+
+
+def local_momentum_square(w, m, t, beta_1, beta_2):
+  """One replica's new ``w``: the moving average (``beta_2``) of its bias-corrected first
+  moment squared, ``(m / (1 - beta_1^t))^2``."""
+  m_hat = m / (1 - tf.pow(tf.cast(beta_1, m.dtype), tf.cast(t, m.dtype)))
+  return w + (tf.square(m_hat) - w) * (1 - beta_2)
+
+
+def global_moment(v, w, replicas, beta_1):
+  """The second moment of the mean gradient of ``replicas`` replicas, estimated from the
+  means over replicas of their own ``v`` (moving average of g^2) and ``w`` (of m^2).
+
+  A replica's gradient is the true gradient ``G`` plus noise of variance ``S`` per
+  element, and the mean of ``R`` replicas' has ``S / R``. With ``c = (1 - beta_1) /
+  (1 + beta_1)``, the variance of a moving average of white noise, ``v`` estimates ``G^2
+  + S`` and ``w`` estimates ``G^2 + c S``, hence ``G^2 = (w - c v) / (1 - c)``,
+  ``S = (v - w) / (1 - c)``, and the mean gradient's second moment is ``G^2 + S / R``
+  (the estimator of the gradient noise scale, McCandlish et al. 2018, per element).
+  Clipped to ``[v / R, v]``, the values of pure noise and of no noise.
+  """
+  c = (1 - beta_1) / (1 + beta_1)
+  estimate = ((w - c * v) + (v - w) / replicas) / (1 - c)
+  return tf.minimum(tf.maximum(estimate, v / replicas), v)
 
 
 def step(m, shared_v, learning_rate, t, synced_at, beta_1, beta_2, epsilon):
