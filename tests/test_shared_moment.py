@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import tf_adacomp
 import tiers
 from tf_adacomp import shared_moment
-from replica_harness import (assert_replicas_hold, data, fit, linear_model,
+from replica_harness import (DEVICES, assert_replicas_hold, data, fit, linear_model,
                              own_mean_gradients, replica_values, shards, np_topk)
 
 ADAM = dict(learning_rate=0.01, beta_1=0.9, beta_2=0.99, epsilon=1e-3)
@@ -316,3 +316,41 @@ def test_bad_arguments_name_themselves(inner, kwargs, match):
   inner = inner() if inner else keras.optimizers.Adam(0.01)
   with pytest.raises(ValueError, match=match):
     tf_adacomp.CompressedOptimizer(inner, **kwargs)
+
+
+def _token_model():
+  keras.utils.set_random_seed(0)
+  return keras.Sequential([keras.Input([6], dtype="int32"), keras.layers.Embedding(12, 4),
+                           keras.layers.Flatten(), keras.layers.Dense(3)])
+
+
+def _token_fit(optimizer, replicas, steps):
+  """``model.fit`` of an Embedding whose batches repeat tokens (IndexedSlices gradients
+  with duplicate rows)."""
+  rng = np.random.default_rng(3)
+  tokens = rng.integers(0, 12, size=(8 * steps, 6)).astype(np.int32)
+  labels = (tokens.sum(axis=1) % 3).astype(np.int32)
+  strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES[:replicas])
+  with strategy.scope():
+    model = _token_model()
+    model.compile(optimizer=optimizer(),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  model.fit(tokens, labels, batch_size=8, epochs=1, verbose=0, shuffle=False)
+  return model
+
+
+@pytest.mark.parametrize("mode", ["shared", "global"])
+def test_an_embeddings_second_moment_is_keras_sum_of_squared_slices(mode):
+  # Keras' Adam squares an IndexedSlices gradient's slices before summing duplicates; one
+  # replica of the shared moment is Keras' Adam bit for bit, and with 2 replicas the
+  # Embedding's shared moment after an average is Keras' on the global batch.
+  plain = _token_fit(lambda: keras.optimizers.Adam(**ADAM), 1, 3)
+  one = _token_fit(_shared(mode=mode), 1, 3)
+  for a, b in zip(plain.get_weights(), one.get_weights()):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  plain = _token_fit(lambda: keras.optimizers.Adam(**ADAM), 2, 1)
+  two = _token_fit(_shared(mode=mode), 2, 1)
+  _, keras_v = shared_moment.moment_slots(plain.optimizer)
+  assert np.max(keras_v[0].numpy()) > 0
+  np.testing.assert_allclose(two.optimizer.shared_velocities[0].numpy(),
+                             np.asarray(keras_v[0].numpy()), rtol=1e-5, atol=1e-12)

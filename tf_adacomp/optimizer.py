@@ -443,8 +443,11 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     replicas = ctx.num_replicas_in_sync
     inner = self.inner_optimizer
     own = [None if g is None else tf.convert_to_tensor(g) * replicas for g in grads]
+    scale = tf.constant(float(replicas))  # own / grads
     if self.local_clipnorm is not None:
-      own = _clip_by_global_norm(own, self.local_clipnorm)
+      clip = _clip_scale(own, self.local_clipnorm)
+      own = [None if g is None else g * tf.cast(clip, g.dtype) for g in own]
+      scale = scale * clip
     bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
                          tf.cast(tf.logical_not(fused.all_finite(own)), tf.float32))
     stepped = tf.equal(bad, 0.0)
@@ -467,9 +470,12 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     if self.second_moment == "global":
       tracked["w"] = [self.momentum_squares[i] for i in indices_present]
     old = {key: [tf.convert_to_tensor(x) for x in xs] for key, xs in tracked.items()}
+    # An Embedding's IndexedSlices gradient: Keras' Adam adds its slices' squares to v.
+    sparse = [isinstance(grads[k], tf.IndexedSlices) for k in present]
     new = {"m": [], "v": [], "w": []}
-    for k, m, v in zip(present, old["m"], old["v"]):
-      m, v = shared_moment.local_moments(m, v, own[k], inner.beta_1, inner.beta_2)
+    for k, m, v, is_sparse in zip(present, old["m"], old["v"], sparse):
+      square = shared_moment.sparse_square(grads[k], scale) if is_sparse else None
+      m, v = shared_moment.local_moments(m, v, own[k], inner.beta_1, inner.beta_2, square)
       new["m"].append(m)
       new["v"].append(v)
     for m, w in zip(new["m"], old.get("w", [])):
@@ -481,9 +487,11 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
                                                              values)
       mean = dict(zip(averaged, (means[i * len(present):(i + 1) * len(present)]
                                  for i in range(len(averaged)))))
-      shared = (mean["v"] if self.second_moment == "shared" else
-                [shared_moment.global_moment(v, w, replicas, inner.beta_1)
-                 for v, w in zip(mean["v"], mean["w"])])
+      # Sparse (slice-squared) moments add up across replicas: theirs is Keras' exactly.
+      shared = [v / replicas if is_sparse else
+                v if self.second_moment == "shared" else
+                shared_moment.global_moment(v, w, replicas, inner.beta_1)
+                for v, w, is_sparse in zip(mean["v"], mean.get("w", mean["v"]), sparse)]
       # Each replica's own moments restart from the replicas' mean (which they keep).
       self._assign_per_replica(
           tracked["shared"] + [x for key in averaged for x in tracked[key]],
@@ -857,9 +865,17 @@ def _clip_by_global_norm(tensors, clipnorm):
 
   A non-finite norm leaves them as they are: the step is then skipped anyway.
   """
+  if all(t is None for t in tensors):
+    return list(tensors)
+  scale = _clip_scale(tensors, clipnorm)
+  return [None if t is None else t * tf.cast(scale, t.dtype) for t in tensors]
+
+
+def _clip_scale(tensors, clipnorm):
+  """``min(1, clipnorm / global_norm)`` of ``tensors`` (1 if none, or if the norm is not
+  finite: the step is then skipped anyway)."""
   present = [t for t in tensors if t is not None]
   if not present:
-    return list(tensors)
+    return tf.constant(1.0)
   norm = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(tf.cast(t, tf.float32))) for t in present]))
-  scale = tf.where(tf.math.is_finite(norm), tf.minimum(1.0, clipnorm / norm), 1.0)
-  return [None if t is None else t * tf.cast(scale, t.dtype) for t in tensors]
+  return tf.where(tf.math.is_finite(norm), tf.minimum(1.0, clipnorm / norm), 1.0)

@@ -108,10 +108,26 @@ def last_sync_step(step, max_interval=None):
   return tf.where(step >= max_interval, periodic, power)
 
 
-def local_moments(m, v, grad, beta_1, beta_2):
-  """One replica's new ``(m, v)`` from its own gradient (Keras' Adam update, unapplied)."""
+def local_moments(m, v, grad, beta_1, beta_2, square=None):
+  """One replica's new ``(m, v)`` from its own gradient (Keras' Adam update, unapplied);
+  ``square`` replaces ``grad ** 2`` (``sparse_square``)."""
   grad = tf.cast(grad, m.dtype)
-  return m + (grad - m) * (1 - beta_1), v + (tf.square(grad) - v) * (1 - beta_2)
+  square = tf.square(grad) if square is None else tf.cast(square, m.dtype)
+  return m + (grad - m) * (1 - beta_1), v + (square - v) * (1 - beta_2)
+
+
+def sparse_square(grad: tf.IndexedSlices, scale=1.0):
+  """What Keras' Adam adds to its second moment for an ``IndexedSlices`` gradient (an
+  Embedding's): each slice squared, then summed per row, not the summed row squared.
+
+  Keras squares the slices before it densifies them (``ops.square`` of the
+  ``IndexedSlices``), so a token seen n times adds the sum of n squared gradients. That
+  sum is linear across replicas: the mean of the replicas' own, divided by their number,
+  is Keras' on the global batch (``shared_moment``), with nothing to estimate.
+  """
+  values = tf.square(tf.cast(grad.values, tf.float32) * scale)
+  rows = tf.cast(grad.dense_shape[0], tf.int32)
+  return tf.math.unsorted_segment_sum(values, tf.cast(grad.indices, tf.int32), rows)
 
 
 def local_momentum_square(w, m, t, beta_1, beta_2):
