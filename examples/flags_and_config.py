@@ -26,6 +26,7 @@ EXCHANGES = ("optimizer", "cross_device_ops")
 REDUCTIONS = tf_adacomp.exchange.REDUCTIONS
 ADASUM_MODES = tf_adacomp.optimizer.ADASUM_MODES
 OPTIMIZER_EXCHANGES = tf_adacomp.optimizer.EXCHANGES
+SECOND_MOMENTS = tf_adacomp.shared_moment.SECOND_MOMENTS
 # The exchange of each reduction when --optimizer_exchange is unset.
 DEFAULT_OPTIMIZER_EXCHANGE = tf_adacomp.optimizer.DEFAULT_EXCHANGE
 LR_SCHEDULES = ("constant", "cosine", "step", "legw")
@@ -57,6 +58,11 @@ flags.DEFINE_enum("optimizer_exchange", None, OPTIMIZER_EXCHANGES,
                   "library's; docs/distributed.md).")
 flags.DEFINE_boolean("momentum_masking", None, "With --optimizer_exchange=updates: zero "
                      "the local momentum where an element was sent (DGC).")
+flags.DEFINE_enum("second_moment", None, SECOND_MOMENTS,
+                  "With --optimizer_exchange=updates and Adam/AdamW: each replica's own "
+                  "second moment, or one shared by all (the replicas' mean, or 'global': "
+                  "estimated for the global batch). Default: the library's "
+                  "(tf_adacomp.optimizer.default_second_moment).")
 flags.DEFINE_float("local_clipnorm", None, "With --exchange=optimizer: clip each "
                    "replica's own mean gradient to this global norm before compression.")
 flags.DEFINE_integer("conv_bin_size", None, "AdaComp bin length L_T of conv kernels (50).")
@@ -116,6 +122,7 @@ class Config:
   optimizer_exchange: Optional[str] = None  # None: CompressedOptimizer's default
   momentum_masking: bool = False
   local_clipnorm: Optional[float] = None
+  second_moment: Optional[str] = None  # None: CompressedOptimizer's default
   conv_bin_size: int = 50
   dense_bin_size: int = 500
   recurrent_bin_size: int = 500
@@ -197,7 +204,9 @@ def validate(config: Config):
        f"one of {OPTIMIZER_EXCHANGES} or unset")
   need(config.optimizer_exchange in (None, "updates") or config.adasum_mode != "delta",
        "optimizer_exchange", "'updates' or unset with --adasum_mode=delta")
-  for name in ("optimizer_exchange", "local_clipnorm"):
+  need(config.second_moment in (None, *SECOND_MOMENTS), "second_moment",
+       f"one of {SECOND_MOMENTS} or unset")
+  for name in ("optimizer_exchange", "local_clipnorm", "second_moment"):
     need(getattr(config, name) is None or config.exchange == "optimizer", name,
          "unset with --exchange=cross_device_ops (a CompressedOptimizer option)")
   need(config.local_clipnorm is None or (config.local_clipnorm > 0

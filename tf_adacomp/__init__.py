@@ -30,6 +30,7 @@ from tf_adacomp import distribute
 from tf_adacomp import ops
 from tf_adacomp import resist
 from tf_adacomp import schedules
+from tf_adacomp import shared_moment
 from tf_adacomp.backup import BackupAndRestore
 from tf_adacomp.callbacks import CompressionStats
 from tf_adacomp.exchange import Exchange
@@ -74,4 +75,5 @@ __all__ = [
     "resist",
     "schedules",
     "serialize_compressor",
+    "shared_moment",
 ]

@@ -54,6 +54,8 @@ def test_example_defaults_then_overrides():
     ({"adasum_mode": "delta"}, "adasum_mode='delta'"),  # needs --reduction=adasum
     ({"adasum_mode": "delta", "reduction": "adasum", "exchange": "cross_device_ops"},
      "adasum_mode='delta'"),
+    ({"second_moment": "mean"}, "second_moment='mean'"),
+    ({"second_moment": "shared", "exchange": "cross_device_ops"}, "second_moment='shared'"),
 ])
 def test_bad_settings_are_named_with_the_value(overrides, match):
   with pytest.raises(ValueError, match=match):
@@ -102,6 +104,18 @@ def test_the_optimizer_flag_picks_the_inner_optimizer(name, kind):
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     assert type(inner) is getattr(keras.optimizers, kind)  # pylint: disable=unidiomatic-typecheck
   assert (inner.weight_decay is None) == (name != "adamw")
+
+
+def test_the_second_moment_flag_reaches_the_optimizer():
+  default = tf_adacomp.optimizer.DEFAULT_SECOND_MOMENT
+  for flag, expected in ((None, default), ("local", "local"), ("shared", "shared")):
+    config = flags_and_config.make_config(fashion_mnist, optimizer="adamw",
+                                          second_moment=flag)
+    optimizer = optimizers.make_optimizer(config, steps_per_epoch=10)
+    assert optimizer.second_moment == expected, flag
+  config = flags_and_config.make_config(fashion_mnist, optimizer="sgd", second_moment="shared")
+  with pytest.raises(ValueError, match="second_moment='shared'"):
+    optimizers.make_optimizer(config, steps_per_epoch=10)
 
 
 def test_adamw_decays_kernels_only_and_takes_the_weight_decay_flag():
