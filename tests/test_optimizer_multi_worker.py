@@ -12,7 +12,8 @@ from multi_worker import WORKERS_DIR
 from multi_worker import describe
 from multi_worker import run_workers
 
-RUNS = ("plain", "none", "adacomp", "adacomp:adasum:delta")
+RUNS = ("plain", "none", "adacomp", "adacomp:adasum:delta", "adam+plain",
+        "adam+adacomp+global")
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +78,22 @@ def test_adacomp_with_adasum_of_deltas_over_grpc(runs):
     losses = log["history"]["loss"]
     assert losses[-1] < losses[0]
     assert log["stats"]["dense"]["ratio"] > 20
+
+
+@pytest.mark.slow
+def test_adam_with_the_global_second_moment_over_grpc(runs):
+  # The sync steps (1, 2, 4, ...) all-reduce the moments inside a tf.cond in replica
+  # context, the path MultiWorkerMirroredStrategy takes (no merge_call).
+  arrays, logs = runs["adam+adacomp+global"]
+  plain_arrays, plain_logs = runs["adam+plain"]
+  for key in _final_weights(arrays):
+    np.testing.assert_array_equal(arrays[0][key], arrays[1][key])
+  shared = sorted(k for k in arrays[0] if k.startswith("shared_velocity_"))
+  assert shared and any(np.any(arrays[0][k]) for k in shared)
+  for key in shared:
+    np.testing.assert_array_equal(arrays[0][key], arrays[1][key])
+  for log, plain in zip(logs, plain_logs):
+    losses = log["history"]["loss"]
+    assert losses[-1] < 0.8 * losses[0]
+    assert losses[-1] < 1.5 * plain["history"]["loss"][-1]
+    assert log["stats"]["dense"]["ratio"] > 5

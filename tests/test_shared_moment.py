@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 import tf_adacomp
 import tiers
 from tf_adacomp import shared_moment
-from replica_harness import (DEVICES, assert_replicas_hold, data, fit, linear_model,
-                             own_mean_gradients, replica_values, shards, np_topk)
+from replica_harness import (DEVICES, FEATURES, OUTPUTS, PER_REPLICA, assert_replicas_hold,
+                             data, fit, linear_model, np_topk, own_mean_gradients,
+                             replica_values, shards)
 
 ADAM = dict(learning_rate=0.01, beta_1=0.9, beta_2=0.99, epsilon=1e-3)
 
@@ -39,13 +40,24 @@ def py_sync_steps(steps, max_interval):
 def test_schedule_matches_its_definition(step, max_interval):
   syncs = py_sync_steps(step, max_interval)
   assert bool(shared_moment.is_sync_step(step, max_interval)) == (step in syncs)
-  assert int(shared_moment.last_sync_step(step, max_interval)) == syncs[-1]
 
 
 def test_schedule_is_logarithmic_without_a_cap():
   syncs = [t for t in range(1, 1025) if shared_moment.is_sync_step(t)]
   assert syncs == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
-  assert int(shared_moment.last_sync_step(2 ** 40 + 5)) == 2 ** 40
+  assert bool(shared_moment.is_sync_step(2 ** 40)) and not shared_moment.is_sync_step(2 ** 40 + 4)
+
+
+def test_is_stale_compares_bias_corrected_moments():
+  b2 = 0.9
+  # v at step 3, the shared moment from step 2: corrections 1 - 0.9^3 and 1 - 0.9^2.
+  shared = tf.constant([1.0, 1.0, 0.0])
+  ratio = (1 - b2 ** 3) / (1 - b2 ** 2) * shared_moment.STALE_RATIO
+  for v, below, stale in [([1.0, 0.99 * ratio, 0.0], 1, False),
+                          ([1.0, 1.01 * ratio, 0.0], 1, True),
+                          ([1.0, 1.01 * ratio, 0.0], 2, False),
+                          ([1.0, 1.0, 1e-30], 1, True)]:  # nothing shared yet
+    assert bool(shared_moment.is_stale(tf.constant(v), shared, 3, 2, b2, below)) == stale
 
 
 def test_step_is_keras_adams_step_when_the_moment_is_fresh():
@@ -100,6 +112,7 @@ class NumpySharedAdam:
     self.v = [zeros() for _ in range(replicas)]
     self.w = [zeros() for _ in range(replicas)]  # moving average of (m / (1 - b1^t))^2
     self.shared = zeros()
+    self.synced_at, self.syncs = 0, []
 
   def updates(self, grads, t):
     """Each replica's update at step ``t`` (1-based) from its own ``grads``."""
@@ -109,8 +122,14 @@ class NumpySharedAdam:
         self.v[r][k] += (g * g - self.v[r][k]) * (1 - self.b2)
         m_hat = self.m[r][k] / (1 - self.b1 ** t)
         self.w[r][k] += (m_hat * m_hat - self.w[r][k]) * (1 - self.b2)
-    syncs = py_sync_steps(t, self.max_interval)
-    if self.replicas == 1 or syncs[-1] == t:
+    below = self.replicas if self.mode == "global" else 1
+    stale = any(np.any(self.v[r][k] * (1 - self.b2 ** self.synced_at)
+                       > shared_moment.STALE_RATIO * below * self.shared[k] * (1 - self.b2 ** t))
+                for r in range(self.replicas) for k in range(len(self.shared)))
+    scheduled = t in py_sync_steps(t, self.max_interval)
+    if self.replicas == 1 or scheduled or stale or self.synced_at == 0:
+      self.synced_at = t
+      self.syncs.append(t)
       for k in range(len(self.shared)):
         v = np.mean([self.v[r][k] for r in range(self.replicas)], axis=0)
         w = np.mean([self.w[r][k] for r in range(self.replicas)], axis=0)
@@ -118,8 +137,7 @@ class NumpySharedAdam:
             v, w, self.replicas, self.b1)
         for r in range(self.replicas):
           self.v[r][k], self.w[r][k] = v.copy(), w.copy()
-    s = t if self.replicas == 1 else syncs[-1]
-    alpha = self.lr * math.sqrt(1 - self.b2 ** s) / (1 - self.b1 ** t)
+    alpha = self.lr * math.sqrt(1 - self.b2 ** self.synced_at) / (1 - self.b1 ** t)
     return [[(-alpha * m / (np.sqrt(v) + self.eps)).astype(np.float32)
              for m, v in zip(self.m[r], self.shared)] for r in range(self.replicas)]
 
@@ -188,10 +206,33 @@ def test_without_compression_every_replica_takes_adams_step_on_the_mean_gradient
       for r, w in enumerate(replica_values(optimizer.momentum_squares[k], strategy)):
         np.testing.assert_allclose(w, adam.w[r][k], rtol=1e-5, atol=1e-9)
   # Step 3 was not a sync step: the replicas' own second moments have moved apart.
+  assert adam.syncs == [1, 2] and int(optimizer.moment_synced_at.numpy()) == 2
   assert not np.allclose(adam.v[0][0], adam.v[1][0])
   if mode == "global":  # the estimate is neither bound everywhere
     v = np.mean([adam.v[r][0] for r in range(replicas)], axis=0)
     assert np.any((adam.shared[0] < v) & (adam.shared[0] > v / replicas))
+
+
+@pytest.mark.parametrize("mode", ["shared", "global"])
+def test_an_element_first_seen_after_an_average_brings_the_next_one_forward(mode):
+  # Feature 0 is zero in the first two steps' data: the shared moment of its weights is
+  # zero after the average at step 2, and step 3 (not scheduled) would divide their
+  # first moment by epsilon alone. The replicas see it and average at step 3.
+  replicas, steps = 3, 3
+  x, y = data(replicas, steps)
+  x[:2 * replicas * PER_REPLICA, 0] = 0.0
+  strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES[:replicas])
+  with strategy.scope():
+    model = linear_model()
+    model.compile(optimizer=_shared(mode=mode)(), loss="mse")
+  start = model.get_weights()
+  model.fit(x, y, batch_size=replicas * PER_REPLICA, verbose=0, shuffle=False)
+  optimizer = model.optimizer
+  assert int(optimizer.moment_synced_at.numpy()) == 3
+  kernel = dict(optimizer.variable_bytes())[optimizer.plans[0]]
+  assert kernel == (3 if mode == "global" else 2) * 4 * FEATURES * OUTPUTS  # moments sent
+  # Adam moves each weight by about the learning rate per step, not lr / epsilon.
+  assert np.max(np.abs(model.get_weights()[0] - start[0])) < 10 * steps * ADAM["learning_rate"]
 
 
 @pytest.mark.parametrize("steps,mode", [(1, "shared"), (3, "shared"), (1, "global")])

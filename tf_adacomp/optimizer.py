@@ -302,6 +302,10 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       # The second moment every replica divides by (equal on all; a checkpoint stores
       # it) and, for "global", each replica's moment of its squared first moment.
       self.shared_velocities = self._add_moment_variables(var_list, "shared_velocity")
+      # The step the shared moment was last computed at (0: never), for its bias
+      # correction and its staleness; the same on every replica.
+      self.moment_synced_at = self.add_variable(
+          shape=(), dtype="int64", aggregation="only_first_replica", name="moment_synced_at")
       if self.second_moment == "global":
         self.momentum_squares = self._add_moment_variables(var_list, "momentum_square")
     if self.exchange == "updates":
@@ -448,16 +452,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       clip = _clip_scale(own, self.local_clipnorm)
       own = [None if g is None else g * tf.cast(clip, g.dtype) for g in own]
       scale = scale * clip
-    bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                         tf.cast(tf.logical_not(fused.all_finite(own)), tf.float32))
-    stepped = tf.equal(bad, 0.0)
     t = tf.cast(inner.iterations, tf.int64) + 1
-    if replicas == 1:  # the average of one is free: take it every step (plain Adam)
-      sync, synced_at = stepped, t
-    else:
-      sync = tf.logical_and(stepped,
-                            shared_moment.is_sync_step(t, self.second_moment_interval))
-      synced_at = shared_moment.last_sync_step(t, self.second_moment_interval)
     learning_rate = inner.learning_rate
     momentums, velocities = shared_moment.moment_slots(inner)
     present = [k for k, g in enumerate(own) if g is not None]
@@ -470,6 +465,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     if self.second_moment == "global":
       tracked["w"] = [self.momentum_squares[i] for i in indices_present]
     old = {key: [tf.convert_to_tensor(x) for x in xs] for key, xs in tracked.items()}
+    old_synced_at = tf.convert_to_tensor(self.moment_synced_at)
     # An Embedding's IndexedSlices gradient: Keras' Adam adds its slices' squares to v.
     sparse = [isinstance(grads[k], tf.IndexedSlices) for k in present]
     new = {"m": [], "v": [], "w": []}
@@ -480,6 +476,25 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       new["v"].append(v)
     for m, w in zip(new["m"], old.get("w", [])):
       new["w"].append(shared_moment.local_momentum_square(w, m, t, inner.beta_1, inner.beta_2))
+    # The shared moment is this much below the replicas' own where it is its target
+    # (sparse moments and "global" estimates divide by the replica count).
+    below = [replicas if (is_sparse or self.second_moment == "global") else 1
+             for is_sparse in sparse]
+    stale = tf.reduce_any(tf.stack([False] + [
+        shared_moment.is_stale(v, shared, t, old_synced_at, inner.beta_2, factor)
+        for v, shared, factor in zip(new["v"], old["shared"], below)]))
+    # One all-reduce for both flags: every replica must take the same branches.
+    flags = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.stack([
+        tf.cast(tf.logical_not(fused.all_finite(own)), tf.float32),
+        tf.cast(stale, tf.float32)]))
+    stepped = tf.equal(flags[0], 0.0)
+    if replicas == 1:  # the average of one is free: take it every step (plain Adam)
+      sync = stepped
+    else:
+      sync = tf.logical_and(stepped, tf.reduce_any(tf.stack([
+          shared_moment.is_sync_step(t, self.second_moment_interval), flags[1] > 0,
+          tf.equal(old_synced_at, 0)])))
+    synced_at = tf.where(sync, t, old_synced_at)
     averaged = ["v", "w"] if "w" in tracked else ["v"]
 
     def average(values):
@@ -537,6 +552,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
         finite, shared_moment.decayed(inner, variables[k], tf.convert_to_tensor(variables[k])),
         combined[k])) for k in present]
     self._assign_per_replica(targets + [v for v, _ in pairs], values + [x for _, x in pairs])
+    self.moment_synced_at.assign(tf.where(finite, synced_at, old_synced_at))
     inner.iterations.assign_add(tf.cast(finite, inner.iterations.dtype))
 
   def _mask_momentum(self, variables, old_states, deltas, new_states, masked_step):

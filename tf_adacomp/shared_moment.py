@@ -4,29 +4,37 @@ The update exchange (``CompressedOptimizer(exchange="updates")``) applies the me
 replicas' own optimizer steps. For SGD with momentum that mean is the step on the mean
 gradient (the step is linear in the gradient). Adam's is not: each replica divides its
 own first moment by its own second moment, and the mean of those quotients is not Adam's
-step. With ``second_moment="shared"`` every replica divides by the same second moment,
-so the step is linear in the first moment again, and the mean of the replicas' steps is
-the step of the mean first moment, which is the first moment of the mean gradient (1-bit
-Adam, arXiv 2102.02888, and 0/1 Adam, arXiv 2202.06009, rest on the same observation).
+step. When every replica divides by the same second moment, the step is linear in the
+first moment again, and the mean of the replicas' steps is the step of the mean first
+moment, which is the first moment of the mean gradient (1-bit Adam, arXiv 2102.02888,
+and 0/1 Adam, arXiv 2202.06009, rest on the same observation).
 
 Per replica ``r`` and step ``t`` (1-based), with ``g_r`` its own mean gradient:
 
     m_r <- m_r + (1 - beta_1) (g_r - m_r)           # its own first moment
     v_r <- v_r + (1 - beta_2) (g_r^2 - v_r)         # its own second moment
-    at a sync step: v <- mean over replicas of v_r, and v_r <- v   (one dense all-reduce)
+    w_r <- w_r + (1 - beta_2) (m_r^2 / (1 - beta_1^t)^2 - w_r)   # "global" only
+    at an average: v <- f(mean of v_r, mean of w_r); v_r, w_r <- their means; s <- t
     u_r = -lr sqrt(1 - beta_2^s) / (1 - beta_1^t) * m_r / (sqrt(v) + epsilon)
 
-where ``s`` is the last sync step (``last_sync_step``): Keras' bias correction, with the
-shared moment's age. The replicas' steps ``u_r`` are compressed with error feedback and
-exchanged; every replica applies their mean (and AdamW's decoupled weight decay, the
-same on every replica). Without compression the result is, on every replica, Adam's
-step on the mean gradient with the shared ``v``: the mean over replicas of each one's
-second moment, refreshed at the sync steps.
+``s`` is the step of the last average: Keras' bias correction, with the shared moment's
+age. ``f`` is the mean itself (``second_moment="shared"``), or the estimate of the mean
+gradient's second moment (``"global"``, ``global_moment``): a replica's gradient, on a
+batch R times smaller, carries R times the noise variance of the mean gradient, which
+the mean of the replicas' ``v_r`` keeps and Adam on the global batch would not see. An
+Embedding's ``IndexedSlices`` gradient adds its slices' squares, as Keras' Adam does
+(``sparse_square``); those add up across replicas, so ``f`` is their mean over R exactly.
+The replicas' steps ``u_r`` are compressed with error feedback and exchanged; every
+replica applies their mean (and AdamW's decoupled weight decay, the same on every
+replica).
 
-Sync steps are 1, 2, 4, 8, ... (the interval doubles, as 0/1 Adam's variance updates),
-or with ``max_interval=k`` those below ``k`` and then every ``k`` steps: a dense float32
-exchange of the second moment at about log2(steps) steps, against one compressed
-exchange every step.
+Averages (one dense all-reduce of ``v_r``, and of ``w_r`` for "global") happen at steps
+1, 2, 4, 8, ... (the interval doubles, as 0/1 Adam's variance updates; with
+``max_interval=k``, those below ``k`` and then every ``k`` steps), and at any step where
+some replica's own ``v_r`` has outgrown the shared ``v`` (``is_stale``): an element first
+seen after the last average (an Embedding row of a rare token) would otherwise be divided
+by ``epsilon`` alone. Without compression the result is, on every replica, Adam's step
+on the mean gradient with the shared ``v``.
 
 This module holds the mathematics and the one place where Adam's slots are read.
 """
@@ -37,6 +45,10 @@ import tensorflow as tf
 from tf_adacomp.compat import internals
 
 SECOND_MOMENTS = ("local", "shared", "global")
+# A replica asks for an average when its own second moment exceeds the shared one this
+# many times somewhere (``is_stale``): Adam's step there is then at most sqrt(16) = 4
+# times what a fresh average would give.
+STALE_RATIO = 16.0
 
 
 def supports(optimizer) -> bool:
@@ -95,17 +107,20 @@ def is_sync_step(step, max_interval=None):
                        tf.equal(step % max_interval, 0))
 
 
-def last_sync_step(step, max_interval=None):
-  """The last sync step at or before ``step`` (>= 1; an int64 tensor)."""
-  step = tf.maximum(tf.cast(step, tf.int64), 1)
-  below = step  # the largest power of two <= step: spread the top bit down, halve
-  for shift in (1, 2, 4, 8, 16, 32):
-    below = tf.bitwise.bitwise_or(below, tf.bitwise.right_shift(below, shift))
-  power = tf.bitwise.right_shift(below + 1, 1)
-  if max_interval is None:
-    return power
-  periodic = (step // max_interval) * max_interval
-  return tf.where(step >= max_interval, periodic, power)
+def is_stale(v, shared_v, t, synced_at, beta_2, below=1):
+  """Whether this replica's own second moment ``v`` (at step ``t``) has outgrown the
+  shared one (computed at step ``synced_at``) somewhere: more than ``STALE_RATIO *
+  below`` times it, both bias-corrected, where ``below`` is how far the shared moment is
+  meant to sit below the replicas' own (1, or the replica count for the "global"
+  estimate and for sparse moments). An element first seen after the last average would
+  otherwise be divided by ``epsilon`` alone; its replica asks for an average instead.
+  """
+  dtype = v.dtype
+  beta_2 = tf.cast(beta_2, dtype)
+  own_correction = 1 - tf.pow(beta_2, tf.cast(t, dtype))
+  shared_correction = 1 - tf.pow(beta_2, tf.cast(synced_at, dtype))
+  return tf.reduce_any(v * shared_correction
+                       > STALE_RATIO * below * shared_v * own_correction)
 
 
 def local_moments(m, v, grad, beta_1, beta_2, square=None):
@@ -162,7 +177,7 @@ def step(m, shared_v, learning_rate, t, synced_at, beta_1, beta_2, epsilon):
     shared_v: the second moment every replica shares.
     learning_rate: the current learning rate (a scalar).
     t: this step, 1-based (int64 scalar).
-    synced_at: the step the shared moment was last averaged at (``last_sync_step``).
+    synced_at: the step the shared moment was last computed at.
     beta_1, beta_2, epsilon: Adam's.
 
   Returns:

@@ -4,7 +4,10 @@ Usage: ``compressed_fit.py RUN [RUN ...]``, each RUN one of
   - ``plain``: the plain SGD optimizer of ``keras_fit.py`` (no wrapper), the reference;
   - ``COMPRESSOR[:REDUCTION[:ADASUM_MODE]]``: the same SGD wrapped in
     ``tf_adacomp.CompressedOptimizer`` (a registered name, e.g. ``none`` or ``adacomp``;
-    "sum" or "adasum"; "gradient" or "delta").
+    "sum" or "adasum"; "gradient" or "delta");
+  - ``adam+plain``: Adam (``ADAM_LEARNING_RATE``) instead of the SGD, no wrapper;
+  - ``adam+COMPRESSOR+SECOND_MOMENT``: that Adam wrapped, with the update exchange and
+    ``second_moment=SECOND_MOMENT`` ("local", "shared" or "global").
 
 The runs train one after the other in this process, under one strategy
 (``tf_adacomp.distribute.multi_worker_strategy()``): one cluster start-up for them all.
@@ -28,6 +31,20 @@ def run_name(run):
   return run.replace(":", "-")
 
 
+ADAM_LEARNING_RATE = 0.01
+
+
+def _adam_optimizer(run):
+  import tf_adacomp  # pylint: disable=g-import-not-at-top
+
+  _, compressor, *second_moment = run.split("+")
+  inner = keras.optimizers.Adam(ADAM_LEARNING_RATE)
+  if compressor == "plain":
+    return inner
+  return tf_adacomp.CompressedOptimizer(inner, compressor, exchange="updates",
+                                        second_moment=second_moment[0])
+
+
 def train(strategy, run, x, y):
   """One run: returns (model, history, evaluation)."""
   import tf_adacomp  # pylint: disable=g-import-not-at-top
@@ -35,7 +52,11 @@ def train(strategy, run, x, y):
   keras.utils.set_random_seed(0)
   with strategy.scope():
     model = keras_fit.make_model()  # compiled with the plain SGD
-    if run != "plain":
+    if run.startswith("adam+"):
+      model.compile(optimizer=_adam_optimizer(run),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                    metrics=["accuracy"])
+    elif run != "plain":
       compressor, reduction, adasum_mode = (run.split(":") + ["sum", "gradient"])[:3]
       model.compile(
           optimizer=tf_adacomp.CompressedOptimizer(
@@ -61,11 +82,14 @@ def main():
     model, history, evaluation = train(strategy, run, x, y)
     residues = [r.value.values[0].numpy() if hasattr(r.value, "values") else r.numpy()
                 for state in getattr(model.optimizer, "residues", ()) for r in state]
+    shared = [v.value.values[0].numpy() if hasattr(v.value, "values") else v.numpy()
+              for v in getattr(model.optimizer, "shared_velocities", ())]
     out = worker_out_dir() / run_name(run)
     out.mkdir(parents=True, exist_ok=True)
     np.savez(out / f"worker{index}.npz",
              **{f"final_{i}": w for i, w in enumerate(model.get_weights())},
-             **{f"residue_{i}": r for i, r in enumerate(residues)})
+             **{f"residue_{i}": r for i, r in enumerate(residues)},
+             **{f"shared_velocity_{i}": v for i, v in enumerate(shared)})
     stats = (model.optimizer.compression_stats()
              if hasattr(model.optimizer, "compression_stats") else None)
     with open(out / f"worker{index}.json", "w") as f:
