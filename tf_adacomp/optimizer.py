@@ -528,9 +528,10 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
                 for s in exchanged.sums]
     finite = tf.logical_and(stepped, fused.all_finite(combined))
     self._keep_states(indices, states, exchanged.states, finite)
-    # Every byte counts: a sync step also sends the averaged moments, dense float32.
+    # Every byte counts: a sync step also sends the averaged moments, dense float32
+    # (with more than one replica: one replica's average sends nothing).
     nbytes = list(exchanged.nbytes)
-    for k in present:
+    for k in present if replicas > 1 else ():
       size = (len(averaged) * variables[k].shape.num_elements()
               * tf.as_dtype(variables[k].dtype).size)
       moment_bytes = tf.where(sync, tf.constant(size, tf.int64), tf.constant(0, tf.int64))
