@@ -213,7 +213,8 @@ def test_without_compression_every_replica_takes_adams_step_on_the_mean_gradient
     assert np.any((adam.shared[0] < v) & (adam.shared[0] > v / replicas))
 
 
-@pytest.mark.parametrize("mode", ["shared", "global"])
+# "global" in the slow tier: the same trigger, with the replica count as its margin.
+@pytest.mark.parametrize("mode", ["shared", pytest.param("global", marks=pytest.mark.slow)])
 def test_an_element_first_seen_after_an_average_brings_the_next_one_forward(mode):
   # Feature 0 is zero in the first two steps' data: the shared moment of its weights is
   # zero after the average at step 2, and step 3 (not scheduled) would divide their
@@ -235,7 +236,10 @@ def test_an_element_first_seen_after_an_average_brings_the_next_one_forward(mode
   assert np.max(np.abs(model.get_weights()[0] - start[0])) < 10 * steps * ADAM["learning_rate"]
 
 
-@pytest.mark.parametrize("steps,mode", [(1, "shared"), (3, "shared"), (1, "global")])
+# The fast tier counts both moments of "global" at a sync step; the rest is slow.
+@pytest.mark.parametrize("steps,mode", [pytest.param(1, "shared", marks=pytest.mark.slow),
+                                        pytest.param(3, "shared", marks=pytest.mark.slow),
+                                        (1, "global")])
 def test_bytes_count_the_averaged_moments_at_sync_steps(steps, mode):
   # Step 1 averages the moments (dense float32: v, and w for "global"), step 3 does not.
   _, model, _ = fit(_shared(mode=mode), 2, steps)
@@ -383,7 +387,8 @@ def _token_fit(optimizer, replicas, steps):
   return model
 
 
-@pytest.mark.parametrize("mode", ["shared", "global"])
+# "global" in the slow tier: sparse moments take the same path in both modes.
+@pytest.mark.parametrize("mode", ["shared", pytest.param("global", marks=pytest.mark.slow)])
 def test_an_embeddings_second_moment_is_keras_sum_of_squared_slices(mode):
   # Keras' Adam squares an IndexedSlices gradient's slices before summing duplicates; one
   # replica of the shared moment is Keras' Adam bit for bit, and with 2 replicas the
