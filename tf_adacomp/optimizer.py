@@ -164,23 +164,29 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       the inner optimizer with ``global_clipnorm=c``. DGC clips each node's share of a
       summed gradient at ``T / sqrt(N)``; for a threshold ``T`` meant for the averaged
       gradient that is ``local_clipnorm = T * sqrt(N)`` here.
-    second_moment: None (default), "local" or "shared"; Adam's second moment under the
-      update exchange. "local": each replica divides its own first moment by its own
-      second moment, and the mean of those steps is not Adam's step on the mean gradient
-      (Adam is not linear in its gradient). "shared": every replica divides by the same
-      second moment, the replicas' mean, averaged (one dense all-reduce) at steps 1, 2,
-      4, 8, ...; the step is then linear in the first moment, and without compression
-      every replica takes Adam's step on the mean gradient (``tf_adacomp.shared_moment``
-      has the algorithm; 1-bit Adam's and 0/1 Adam's observation). The wrapper computes
-      that step itself, so the inner optimizer must be an Adam or AdamW without
-      ``amsgrad``, clipping (use ``local_clipnorm``), EMA, gradient accumulation or loss
-      scale factor. None means ``default_second_moment(inner_optimizer, ...)``: "shared"
-      where it applies, "local" otherwise (docs/convergence.md has the measurements).
-      With one replica "shared" is the plain inner optimizer.
-    second_moment_interval: None (default) or an int >= 1, with ``second_moment=
-      "shared"``: the longest number of steps between averages of the second moment
-      (averages at steps 1, 2, 4, ... below it, then every ``second_moment_interval``
-      steps). None lets the interval keep doubling.
+    second_moment: None (default), "local", "shared" or "global"; Adam's second moment
+      under the update exchange (``tf_adacomp.shared_moment`` has the algorithm).
+      "local": each replica divides its own first moment by its own second moment, and
+      the mean of those steps is not Adam's step on the mean gradient (Adam is not
+      linear in its gradient). "shared": every replica divides by the same second
+      moment, the replicas' mean, averaged (a dense all-reduce, counted in the bytes) at
+      steps 1, 2, 4, 8, ... and whenever an element outgrows it; the step is then linear
+      in the first moment, and without compression every replica takes Adam's step on
+      the mean gradient with that second moment (1-bit Adam's and 0/1 Adam's
+      observation). "global": as "shared", with the second moment of the mean gradient
+      estimated from the replicas' own (a replica's smaller batch has R times its
+      noise); it also keeps a moving average of each replica's squared first moment. An
+      Embedding's sparse gradient adds its slices' squares, as Keras' Adam does. The
+      wrapper computes Adam's step itself: the inner optimizer must be an Adam or AdamW
+      without ``amsgrad``, clipping (use ``local_clipnorm``), EMA, gradient accumulation
+      or loss scale factor. None means ``default_second_moment(inner_optimizer, ...)``:
+      ``DEFAULT_SECOND_MOMENT`` where it applies, "local" otherwise
+      (docs/convergence.md has the measurements). With one replica "shared" and
+      "global" are the plain inner optimizer.
+    second_moment_interval: None (default) or an int >= 1, with ``second_moment``
+      "shared" or "global": the longest number of steps between scheduled averages of
+      the second moment (steps 1, 2, 4, ... below it, then every
+      ``second_moment_interval`` steps). None lets the interval keep doubling.
 
   Raises:
     TypeError: ``inner_optimizer`` is not a Keras optimizer.
@@ -189,10 +195,11 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       contradicts ``exchange``; ``momentum_masking`` not a bool, or True where it cannot
       apply (gradient exchange, an inner optimizer without momentum, a compressor
       without residue); ``local_clipnorm`` not a finite number > 0; ``start_step`` < 0;
-      ``second_moment`` not None, "local" or "shared", or "shared" where it cannot apply
+      ``second_moment`` not None or one of ``shared_moment.SECOND_MOMENTS``, or "shared"
+      or "global" where it cannot apply
       (another exchange or reduction, momentum masking, an inner optimizer that is not
       an Adam or AdamW or has settings the shared step would drop);
-      ``second_moment_interval`` not an int >= 1, or set without "shared";
+      ``second_moment_interval`` not an int >= 1, or set with "local";
       a base optimizer argument other than its Keras default (set those on the inner
       optimizer); an ``inner_optimizer`` that is a ``LossScaleOptimizer`` (wrap
       ``LossScaleOptimizer(CompressedOptimizer(inner))`` instead).
