@@ -92,8 +92,8 @@ def test_adam_with_the_global_second_moment_over_grpc(runs):
   assert shared and any(np.any(arrays[0][k]) for k in shared)
   for key in shared:
     np.testing.assert_array_equal(arrays[0][key], arrays[1][key])
-  for log, plain in zip(logs, plain_logs):
+  for log, plain in zip(logs, plain_logs):  # 10 steps: trains about as plain Adam does
     losses = log["history"]["loss"]
-    assert losses[-1] < 0.8 * losses[0]
-    assert losses[-1] < 1.5 * plain["history"]["loss"][-1]
-    assert log["stats"]["dense"]["ratio"] > 5
+    assert losses[-1] < 0.95 * losses[0]
+    assert losses[-1] < 1.1 * plain["history"]["loss"][-1]
+  assert logs[0]["stats"] == logs[1]["stats"]
