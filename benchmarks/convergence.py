@@ -97,6 +97,10 @@ VARIANTS = {
     # "global": the shared second moment corrected for the replicas' smaller batches.
     "adacomp+updates+global": ("adacomp", {}, {"exchange": "updates",
                                                "second_moment": "global"}),
+    # precondition="after": the first moment is compressed, divided on arrival.
+    "adacomp+updates+global+after": ("adacomp", {}, {"exchange": "updates",
+                                                     "second_moment": "global",
+                                                     "precondition": "after"}),
     "none+updates+global": ("none", {}, {"exchange": "updates", "second_moment": "global"}),
     "none+updates+local": ("none", {}, {"exchange": "updates", "second_moment": "local"}),
     "none+updates+shared": ("none", {}, {"exchange": "updates", "second_moment": "shared"}),

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import tf_adacomp
 import tiers
+from tf_adacomp import optimizer as optimizer_module
 from tf_adacomp import shared_moment
 from replica_harness import (DEVICES, FEATURES, OUTPUTS, PER_REPLICA, assert_replicas_hold,
                              data, fit, linear_model, np_topk, own_mean_gradients,
@@ -114,8 +115,9 @@ class NumpySharedAdam:
     self.shared = zeros()
     self.synced_at, self.syncs = 0, []
 
-  def updates(self, grads, t):
-    """Each replica's update at step ``t`` (1-based) from its own ``grads``."""
+  def updates(self, grads, t, divide=True):
+    """Each replica's update at step ``t`` (1-based) from its own ``grads`` (without
+    the division by ``self.divisors`` unless ``divide``)."""
     for r in range(self.replicas):
       for k, g in enumerate(grads[r]):
         self.m[r][k] += (g - self.m[r][k]) * (1 - self.b1)
@@ -138,8 +140,9 @@ class NumpySharedAdam:
         for r in range(self.replicas):
           self.v[r][k], self.w[r][k] = v.copy(), w.copy()
     alpha = self.lr * math.sqrt(1 - self.b2 ** self.synced_at) / (1 - self.b1 ** t)
-    return [[(-alpha * m / (np.sqrt(v) + self.eps)).astype(np.float32)
-             for m, v in zip(self.m[r], self.shared)] for r in range(self.replicas)]
+    self.divisors = [(np.sqrt(v) + self.eps).astype(np.float32) for v in self.shared]
+    return [[(-alpha * m / (d if divide else 1)).astype(np.float32)
+             for m, d in zip(self.m[r], self.divisors)] for r in range(self.replicas)]
 
   def decay(self, weights):
     if not self.wd:
@@ -155,13 +158,13 @@ def np_global_moment(v, w, replicas, beta_1):
   return np.clip(signal + noise / replicas, v / replicas, v)
 
 
-def reference(start, replicas, steps, density=None, **kwargs):
+def reference(start, replicas, steps, density=None, precondition="before", **kwargs):
   weights = [w.astype(np.float32) for w in start]
   adam = NumpySharedAdam(weights, replicas, **kwargs, **ADAM)
   residues = [[np.zeros_like(w) for w in weights] for _ in range(replicas)]
   for step in range(steps):
     grads = [own_mean_gradients(weights, xs, ys) for xs, ys in shards(replicas, step, steps)]
-    updates = adam.updates(grads, step + 1)
+    updates = adam.updates(grads, step + 1, divide=precondition == "before")
     total = [np.zeros_like(w) for w in weights]
     for r in range(replicas):
       for k, u in enumerate(updates[r]):
@@ -170,7 +173,10 @@ def reference(start, replicas, steps, density=None, **kwargs):
         else:
           values, residues[r][k], _ = np_topk(residues[r][k] + u, density)
           total[k] += values
-    weights = [w + t / np.float32(replicas) for w, t in zip(adam.decay(weights), total)]
+    mean = [t / np.float32(replicas) for t in total]
+    if precondition == "after":  # the decoded mean, divided on arrival
+      mean = [m / d for m, d in zip(mean, adam.divisors)]
+    weights = [w + m for w, m in zip(adam.decay(weights), mean)]
   return weights, adam, residues
 
 
@@ -268,7 +274,8 @@ def test_the_checkpoint_holds_the_shared_moment(tmp_path, uncompressed):
   del strategy
 
 
-def test_compressed_steps_keep_error_feedback_and_adamw_decays_as_keras():
+@pytest.mark.parametrize("precondition", ["before", "after"])
+def test_compressed_steps_keep_error_feedback_and_adamw_decays_as_keras(precondition):
   replicas, steps, density, decay = 2, 3, 0.25, 0.5
 
   def adamw():
@@ -276,8 +283,10 @@ def test_compressed_steps_keep_error_feedback_and_adamw_decays_as_keras():
     inner.exclude_from_weight_decay(var_names=["bias"])
     return inner
 
-  start, model, strategy = fit(_shared(adamw, tf_adacomp.TopK(density)), replicas, steps)
+  start, model, strategy = fit(_shared(adamw, tf_adacomp.TopK(density),
+                                       precondition=precondition), replicas, steps)
   expected, _, residues = reference(start, replicas, steps, density=density,
+                                    precondition=precondition,
                                     weight_decay=decay, decayed=[0])  # kernel, not bias
   assert_replicas_hold(model, strategy, expected)
   for k in range(len(start)):
@@ -325,7 +334,7 @@ def test_a_non_finite_gradient_on_one_replica_changes_nothing():
 
 def test_default_and_config():
   adam = tf_adacomp.CompressedOptimizer(keras.optimizers.AdamW(0.01))
-  assert (adam.exchange, adam.second_moment) == ("updates", "shared")
+  assert (adam.exchange, adam.second_moment) == ("updates", optimizer_module.DEFAULT_SECOND_MOMENT)
   for inner, kwargs in [(keras.optimizers.SGD(0.1, momentum=0.9), {}),
                         (keras.optimizers.RMSprop(0.1), {}),
                         (keras.optimizers.Adam(0.1, amsgrad=True), {}),
@@ -334,12 +343,14 @@ def test_default_and_config():
                         (keras.optimizers.Adam(0.1), {"momentum_masking": True})]:
     assert tf_adacomp.CompressedOptimizer(inner, **kwargs).second_moment == "local"
   optimizer = tf_adacomp.CompressedOptimizer(keras.optimizers.Adam(0.01), "topk",
-                                             second_moment_interval=64)
+                                             second_moment="shared",
+                                             second_moment_interval=64, precondition="after")
   restored = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
-  assert (restored.second_moment, restored.second_moment_interval) == ("shared", 64)
+  assert (restored.second_moment, restored.second_moment_interval, restored.precondition) == (
+      "shared", 64, "after")
   # Saved before `second_moment` existed: each replica kept its own.
   old = {k: v for k, v in optimizer.get_config().items()
-         if k not in ("second_moment", "second_moment_interval")}
+         if k not in ("second_moment", "second_moment_interval", "precondition")}
   assert tf_adacomp.CompressedOptimizer.from_config(old).second_moment == "local"
 
 
@@ -355,6 +366,9 @@ def test_default_and_config():
      r"clipnorm=1.0"),
     (lambda: keras.optimizers.Adam(use_ema=True), {"second_moment": "shared"},
      r"use_ema=True"),
+    (None, {"precondition": "sideways"}, r"precondition='sideways'"),
+    (None, {"precondition": "after", "second_moment": "local"},
+     r"precondition='after', second_moment='local'"),
     (None, {"second_moment_interval": 0}, r"second_moment_interval=0"),
     (None, {"second_moment_interval": 2.5}, r"second_moment_interval=2.5"),
     (None, {"second_moment": "local", "second_moment_interval": 8},

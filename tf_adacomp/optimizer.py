@@ -183,6 +183,13 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       ``DEFAULT_SECOND_MOMENT`` where it applies, "local" otherwise
       (docs/convergence.md has the measurements). With one replica "shared" and
       "global" are the plain inner optimizer.
+    precondition: "before" (default) or "after", with ``second_moment`` "shared" or
+      "global": where Adam's division by the shared second moment happens. "before":
+      each replica's Adam step is compressed (the residue holds steps). "after": each
+      replica's first moment times the step size is compressed, and the decoded mean is
+      divided by ``sqrt(v) + epsilon`` on arrival (the same on every replica, so the
+      result is the same without compression); the residue then holds momentum, whose
+      large elements AdaComp sends first, where Adam's normalised steps are flat.
     second_moment_interval: None (default) or an int >= 1, with ``second_moment``
       "shared" or "global": the longest number of steps between scheduled averages of
       the second moment (steps 1, 2, 4, ... below it, then every
@@ -199,7 +206,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       or "global" where it cannot apply
       (another exchange or reduction, momentum masking, an inner optimizer that is not
       an Adam or AdamW or has settings the shared step would drop);
-      ``second_moment_interval`` not an int >= 1, or set with "local";
+      ``second_moment_interval`` not an int >= 1, or set with "local"; ``precondition``
+      not "before" or "after", or "after" with "local";
       a base optimizer argument other than its Keras default (set those on the inner
       optimizer); an ``inner_optimizer`` that is a ``LossScaleOptimizer`` (wrap
       ``LossScaleOptimizer(CompressedOptimizer(inner))`` instead).
@@ -211,7 +219,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
   def __init__(self, inner_optimizer, compressor="adacomp", start_step=0, name=None,
                reduction="sum", adasum_mode=None, exchange=None, momentum_masking=False,
                local_clipnorm=None, second_moment=None, second_moment_interval=None,
-               **kwargs):
+               precondition="before", **kwargs):
     for argument, default in _BASE_DEFAULTS.items():
       value = kwargs.pop(argument, default)
       if (value is None) != (default is None) or value != default:
@@ -250,6 +258,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
                                            inner_optimizer, momentum_masking)
     second_moment_interval = _check_second_moment_interval(second_moment_interval,
                                                            second_moment)
+    precondition = _check_precondition(precondition, second_moment)
     # Keras 3 model.fit needs a fix under multi-worker MultiWorkerMirroredStrategy:
     # applied here and in build(), so that the standard strategy constructor just works.
     keras_multi_worker.apply_keras_multi_worker_fix_for(tf.distribute.get_strategy())
@@ -268,6 +277,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     self.local_clipnorm = local_clipnorm
     self.second_moment = second_moment
     self.second_moment_interval = second_moment_interval
+    self.precondition = precondition
 
   # A LossScaleOptimizer around this one decides whether a step is finite over all
   # replicas (compat.loss_scale reads this marker): apply runs a collective, which every
@@ -525,14 +535,22 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     # Automatic control dependencies order these reads after the average.
     after = {key: [tf.convert_to_tensor(x) for x in tracked[key]]
              for key in ["shared"] + averaged}
+    # The step, or with precondition="after" the step before its division by the shared
+    # moment (the same on every replica, so it can follow the exchange).
     deltas = [None] * len(own)
+    divisors = {}
     for k, m, v in zip(present, new["m"], after["shared"]):
-      update = shared_moment.step(m, v, learning_rate, t, synced_at, inner.beta_1,
-                                  inner.beta_2, inner.epsilon)
+      update = -shared_moment.step_size(learning_rate, t, synced_at, inner.beta_1,
+                                        inner.beta_2) * m
+      divisors[k] = shared_moment.divisor(v, inner.epsilon)
+      if self.precondition == "before":
+        update = update / divisors[k]
       deltas[k] = tf.where(stepped, update, tf.zeros_like(update))
     exchanged = self._exchange.replica_exchange(plans, deltas, states, dense)
     combined = [None if s is None else self._exchange.reduction.to_mean(s, replicas)
                 for s in exchanged.sums]
+    if self.precondition == "after":
+      combined = [c if c is None else c / divisors[k] for k, c in enumerate(combined)]
     finite = tf.logical_and(stepped, fused.all_finite(combined))
     self._keep_states(indices, states, exchanged.states, finite)
     # Every byte counts: a sync step also sends the averaged moments, dense float32
@@ -719,6 +737,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
         "local_clipnorm": self.local_clipnorm,
         "second_moment": self.second_moment,
         "second_moment_interval": self.second_moment_interval,
+        "precondition": self.precondition,
     }
 
   @classmethod
@@ -826,6 +845,20 @@ def _check_second_moment_interval(interval, second_moment):
                      f"Received: second_moment_interval={interval!r}, "
                      f"second_moment={second_moment!r}")
   return interval
+
+
+PRECONDITIONS = ("before", "after")
+
+
+def _check_precondition(precondition, second_moment):
+  if precondition not in PRECONDITIONS:
+    raise ValueError(f"`precondition` must be one of {PRECONDITIONS}. "
+                     f"Received: precondition={precondition!r}")
+  if precondition == "after" and second_moment == "local":
+    raise ValueError("`precondition='after'` divides the exchanged steps by the shared "
+                     "second moment and needs second_moment='shared' or 'global'. "
+                     f"Received: precondition='after', second_moment={second_moment!r}")
+  return precondition
 
 
 def _check_local_clipnorm(local_clipnorm):

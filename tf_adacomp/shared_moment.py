@@ -169,25 +169,31 @@ def global_moment(v, w, replicas, beta_1):
   return tf.minimum(tf.maximum(estimate, v / replicas), v)
 
 
-def step(m, shared_v, learning_rate, t, synced_at, beta_1, beta_2, epsilon):
-  """Adam's update (to add to the weights) from ``m`` and the shared second moment.
+def step_size(learning_rate, t, synced_at, beta_1, beta_2):
+  """Adam's ``alpha`` with the shared moment's bias correction: ``lr sqrt(1 -
+  beta_2^synced_at) / (1 - beta_1^t)``, a float32 scalar.
 
   Args:
-    m: this replica's first moment after this step's gradient.
-    shared_v: the second moment every replica shares.
     learning_rate: the current learning rate (a scalar).
     t: this step, 1-based (int64 scalar).
     synced_at: the step the shared moment was last computed at.
-    beta_1, beta_2, epsilon: Adam's.
-
-  Returns:
-    ``-lr sqrt(1 - beta_2^synced_at) / (1 - beta_1^t) * m / (sqrt(shared_v) + epsilon)``.
+    beta_1, beta_2: Adam's.
   """
-  dtype = m.dtype
-  t, synced_at = tf.cast(t, dtype), tf.cast(synced_at, dtype)
-  alpha = (tf.cast(learning_rate, dtype) * tf.sqrt(1 - tf.pow(tf.cast(beta_2, dtype), synced_at))
-           / (1 - tf.pow(tf.cast(beta_1, dtype), t)))
-  return -alpha * m / (tf.sqrt(shared_v) + tf.cast(epsilon, dtype))
+  t, synced_at = tf.cast(t, tf.float32), tf.cast(synced_at, tf.float32)
+  return (tf.cast(learning_rate, tf.float32) * tf.sqrt(1 - tf.pow(tf.cast(beta_2, tf.float32),
+                                                                 synced_at))
+          / (1 - tf.pow(tf.cast(beta_1, tf.float32), t)))
+
+
+def divisor(shared_v, epsilon):
+  """Adam's denominator from the shared second moment: ``sqrt(shared_v) + epsilon``."""
+  return tf.sqrt(shared_v) + tf.cast(epsilon, shared_v.dtype)
+
+
+def step(m, shared_v, learning_rate, t, synced_at, beta_1, beta_2, epsilon):
+  """Adam's update (to add to the weights): ``-step_size(...) * m / divisor(...)``."""
+  alpha = tf.cast(step_size(learning_rate, t, synced_at, beta_1, beta_2), m.dtype)
+  return -alpha * m / divisor(shared_v, epsilon)
 
 
 def decayed(optimizer, variable, value):
