@@ -78,7 +78,7 @@ EXCHANGES = ("gradients", "updates")
 # behind "updates"; Adasum keeps its documented default, the Adasum of gradients).
 DEFAULT_EXCHANGE = {"sum": "updates", "adasum": "gradients"}
 # What ``second_moment=None`` means for an Adam or AdamW under the update exchange.
-DEFAULT_SECOND_MOMENT = "shared"
+DEFAULT_SECOND_MOMENT = "global"
 _EXCHANGE_OF_ADASUM_MODE = {"gradient": "gradients", "delta": "updates"}
 
 
@@ -820,10 +820,20 @@ def default_second_moment(inner_optimizer, exchange="updates", reduction="sum",
                           momentum_masking=False):
   """What ``second_moment=None`` means for this inner optimizer and exchange.
 
-  "shared" for an Adam or AdamW (without amsgrad, clipping, EMA, gradient accumulation
-  or a loss scale factor set on it) under the mean update exchange, where it measured at
-  dense accuracy (docs/convergence.md); "local" otherwise (other optimizers keep their
-  own state: their second moment, if any, stays each replica's).
+  ``DEFAULT_SECOND_MOMENT`` ("global") for an Adam or AdamW (without amsgrad,
+  clipping, EMA, gradient accumulation or a loss scale factor set on it) under the mean
+  update exchange: of the three it came closest to Keras' Adam on the character LSTM
+  and the transformer (docs/convergence.md). "local" otherwise: other optimizers keep
+  their own state, and their second moment, if any, stays each replica's.
+
+  Args:
+    inner_optimizer: the optimizer ``CompressedOptimizer`` wraps.
+    exchange: "updates" or "gradients".
+    reduction: "sum" or "adasum".
+    momentum_masking: whether DGC's momentum masking is on.
+
+  Returns:
+    "global" or "local".
   """
   if exchange != "updates" or reduction != "sum" or momentum_masking:
     return "local"
