@@ -25,6 +25,11 @@ from replica_harness import (DEVICES, FEATURES, OUTPUTS, PER_REPLICA, assert_rep
                              replica_values, shards)
 
 ADAM = dict(learning_rate=0.01, beta_1=0.9, beta_2=0.99, epsilon=1e-3)
+# The replicas average their second moments in bfloat16 (0.4% on a moment, about 0.2% on
+# a step), which the float64 references do not round: what depends on the shared moment
+# is compared at these tolerances. A wrong bias correction or estimate is off by percents.
+STEP_TOLERANCE = dict(rtol=1e-2, atol=1e-5)
+MOMENT_TOLERANCE = dict(rtol=2e-2, atol=1e-9)
 
 
 def py_sync_steps(steps, max_interval):
@@ -49,16 +54,27 @@ def test_schedule_is_logarithmic_without_a_cap():
   assert bool(shared_moment.is_sync_step(2 ** 40)) and not shared_moment.is_sync_step(2 ** 40 + 4)
 
 
-def test_is_stale_compares_bias_corrected_moments():
-  b2 = 0.9
-  # v at step 3, the shared moment from step 2: corrections 1 - 0.9^3 and 1 - 0.9^2.
-  shared = tf.constant([1.0, 1.0, 0.0])
-  ratio = (1 - b2 ** 3) / (1 - b2 ** 2) * shared_moment.STALE_RATIO
-  for v, below, stale in [([1.0, 0.99 * ratio, 0.0], 1, False),
-                          ([1.0, 1.01 * ratio, 0.0], 1, True),
-                          ([1.0, 1.01 * ratio, 0.0], 2, False),
-                          ([1.0, 1.0, 1e-30], 1, True)]:  # nothing shared yet
-    assert bool(shared_moment.is_stale(tf.constant(v), shared, 3, 2, b2, below)) == stale
+def np_adam_ratio(grads, b1, b2):
+  """``|m| / sqrt(v)`` of Keras' Adam (no bias correction: it is in ``alpha``) after
+  ``grads``, from zeros."""
+  m = v = 0.0
+  for g in grads:
+    m, v = m + (g - m) * (1 - b1), v + (g * g - v) * (1 - b2)
+  return abs(m) / math.sqrt(v)
+
+
+@pytest.mark.parametrize("b1,b2", [(0.9, 0.999), (0.9, 0.99), (0.0, 0.999), (0.5, 0.9)])
+def test_step_bound_is_adams_largest_step(b1, b2):
+  bound = shared_moment.step_bound(1.0, b1, b2)
+  rng = np.random.default_rng(0)
+  for _ in range(20):  # random histories stay below it
+    assert np_adam_ratio(rng.standard_normal(300) * rng.uniform(0.1, 10), b1, b2) <= bound
+  # The gradient that grows by b2 / b1 a step (Cauchy-Schwarz's equality) comes within
+  # 1% of it; an element first seen late has (1 - b1) / sqrt(1 - b2).
+  growth = (b2 / b1) if b1 else 1e6
+  history = [growth ** k for k in range(300 if b1 else 2)]
+  assert np_adam_ratio(history, b1, b2) == pytest.approx(bound, rel=0.01)
+  assert np_adam_ratio([0.0] * 500 + [1.0], b1, b2) <= bound
 
 
 def test_step_is_keras_adams_step_when_the_moment_is_fresh():
@@ -124,12 +140,8 @@ class NumpySharedAdam:
         self.v[r][k] += (g * g - self.v[r][k]) * (1 - self.b2)
         m_hat = self.m[r][k] / (1 - self.b1 ** t)
         self.w[r][k] += (m_hat * m_hat - self.w[r][k]) * (1 - self.b2)
-    below = self.replicas if self.mode == "global" else 1
-    stale = any(np.any(self.v[r][k] * (1 - self.b2 ** self.synced_at)
-                       > shared_moment.STALE_RATIO * below * self.shared[k] * (1 - self.b2 ** t))
-                for r in range(self.replicas) for k in range(len(self.shared)))
     scheduled = t in py_sync_steps(t, self.max_interval)
-    if self.replicas == 1 or scheduled or stale or self.synced_at == 0:
+    if self.replicas == 1 or scheduled or self.synced_at == 0:
       self.synced_at = t
       self.syncs.append(t)
       for k in range(len(self.shared)):
@@ -140,9 +152,13 @@ class NumpySharedAdam:
         for r in range(self.replicas):
           self.v[r][k], self.w[r][k] = v.copy(), w.copy()
     alpha = self.lr * math.sqrt(1 - self.b2 ** self.synced_at) / (1 - self.b1 ** t)
+    self.bound = np.float32(shared_moment.step_bound(alpha, self.b1, self.b2))
     self.divisors = [(np.sqrt(v) + self.eps).astype(np.float32) for v in self.shared]
-    return [[(-alpha * m / (d if divide else 1)).astype(np.float32)
+    return [[self.clip(-alpha * m / d) if divide else (-alpha * m).astype(np.float32)
              for m, d in zip(self.m[r], self.divisors)] for r in range(self.replicas)]
+
+  def clip(self, update):
+    return np.clip(update.astype(np.float32), -self.bound, self.bound)
 
   def decay(self, weights):
     if not self.wd:
@@ -175,7 +191,7 @@ def reference(start, replicas, steps, density=None, precondition="before", **kwa
           total[k] += values
     mean = [t / np.float32(replicas) for t in total]
     if precondition == "after":  # the decoded mean, divided on arrival
-      mean = [m / d for m, d in zip(mean, adam.divisors)]
+      mean = [adam.clip(m / d) for m, d in zip(mean, adam.divisors)]
     weights = [w + m for w, m in zip(adam.decay(weights), mean)]
   return weights, adam, residues
 
@@ -197,20 +213,20 @@ def uncompressed(request):
 def test_without_compression_every_replica_takes_adams_step_on_the_mean_gradient(uncompressed):
   replicas, steps, mode, start, model, strategy = uncompressed
   expected, adam, _ = reference(start, replicas, steps, mode=mode)
-  assert_replicas_hold(model, strategy, expected)
+  assert_replicas_hold(model, strategy, expected, **STEP_TOLERANCE)
   optimizer = model.optimizer
   assert int(optimizer.iterations.numpy()) == steps
   momentums, velocities = shared_moment.moment_slots(optimizer.inner_optimizer)
   for k in range(len(start)):
     np.testing.assert_allclose(replica_values(optimizer.shared_velocities[k], strategy),
-                               [adam.shared[k]] * replicas, rtol=1e-5, atol=1e-9)
+                               [adam.shared[k]] * replicas, **MOMENT_TOLERANCE)
     for r, (m, v) in enumerate(zip(replica_values(momentums[k], strategy),
                                    replica_values(velocities[k], strategy))):
-      np.testing.assert_allclose(m, adam.m[r][k], rtol=1e-5, atol=1e-8)
-      np.testing.assert_allclose(v, adam.v[r][k], rtol=1e-5, atol=1e-9)
+      np.testing.assert_allclose(m, adam.m[r][k], **STEP_TOLERANCE)
+      np.testing.assert_allclose(v, adam.v[r][k], **MOMENT_TOLERANCE)
     if mode == "global":
       for r, w in enumerate(replica_values(optimizer.momentum_squares[k], strategy)):
-        np.testing.assert_allclose(w, adam.w[r][k], rtol=1e-5, atol=1e-9)
+        np.testing.assert_allclose(w, adam.w[r][k], **MOMENT_TOLERANCE)
   # Step 3 was not a sync step: the replicas' own second moments have moved apart.
   assert adam.syncs == [1, 2] and int(optimizer.moment_synced_at.numpy()) == 2
   assert not np.allclose(adam.v[0][0], adam.v[1][0])
@@ -219,27 +235,33 @@ def test_without_compression_every_replica_takes_adams_step_on_the_mean_gradient
     assert np.any((adam.shared[0] < v) & (adam.shared[0] > v / replicas))
 
 
-# "global" in the slow tier: the same trigger, with the replica count as its margin.
-@pytest.mark.parametrize("mode", ["shared", pytest.param("global", marks=pytest.mark.slow)])
-def test_an_element_first_seen_after_an_average_brings_the_next_one_forward(mode):
+@pytest.mark.parametrize("precondition", ["before", "after"])
+def test_an_element_first_seen_after_an_average_moves_no_further_than_adam_can(precondition):
   # Feature 0 is zero in the first two steps' data: the shared moment of its weights is
-  # zero after the average at step 2, and step 3 (not scheduled) would divide their
-  # first moment by epsilon alone. The replicas see it and average at step 3.
+  # zero after the average at step 2, and step 3 (not an average) would divide their
+  # first moment by epsilon alone. Adam's bound on a step holds them.
   replicas, steps = 3, 3
+  adam = dict(ADAM, epsilon=1e-7)
   x, y = data(replicas, steps)
   x[:2 * replicas * PER_REPLICA, 0] = 0.0
   strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES[:replicas])
   with strategy.scope():
     model = linear_model()
-    model.compile(optimizer=_shared(mode=mode)(), loss="mse")
+    model.compile(optimizer=tf_adacomp.CompressedOptimizer(
+        keras.optimizers.Adam(**adam), "none", precondition=precondition), loss="mse")
   start = model.get_weights()
   model.fit(x, y, batch_size=replicas * PER_REPLICA, verbose=0, shuffle=False)
   optimizer = model.optimizer
-  assert int(optimizer.moment_synced_at.numpy()) == 3
-  kernel = dict(optimizer.variable_bytes())[optimizer.plans[0]]
-  assert kernel == (3 if mode == "global" else 2) * 4 * FEATURES * OUTPUTS  # moments sent
-  # Adam moves each weight by about the learning rate per step, not lr / epsilon.
-  assert np.max(np.abs(model.get_weights()[0] - start[0])) < 10 * steps * ADAM["learning_rate"]
+  assert int(optimizer.moment_synced_at.numpy()) == 2
+  assert np.all(optimizer.shared_velocities[0].numpy()[0] == 0)  # feature 0's weights
+  moved = np.abs(model.get_weights()[0][0] - start[0][0])
+  alpha = adam["learning_rate"] * math.sqrt(1 - 0.99 ** 2) / (1 - 0.9 ** 3)
+  bound = shared_moment.step_bound(alpha, adam["beta_1"], adam["beta_2"])
+  assert np.all(moved <= bound * (1 + 1e-6)), (moved, bound)
+  if precondition == "after":  # the mean's step is clipped, to the bound exactly
+    np.testing.assert_allclose(moved, bound, rtol=1e-5)
+  else:  # each replica's is, and their signs differ
+    assert np.all(moved > 0.2 * bound), (moved, bound)
 
 
 # The fast tier counts both moments of "global" at a sync step; the rest is slow.
@@ -247,12 +269,12 @@ def test_an_element_first_seen_after_an_average_brings_the_next_one_forward(mode
                                         pytest.param(3, "shared", marks=pytest.mark.slow),
                                         (1, "global")])
 def test_bytes_count_the_averaged_moments_at_sync_steps(steps, mode):
-  # Step 1 averages the moments (dense float32: v, and w for "global"), step 3 does not.
+  # Step 1 averages the moments (bfloat16: v, and w for "global"), step 3 does not.
   _, model, _ = fit(_shared(mode=mode), 2, steps)
   averaged = 2 if mode == "global" else 1
   for plan, nbytes in model.optimizer.variable_bytes():
-    size = 4 * plan.shape.num_elements()
-    assert nbytes == ((1 + averaged) * size if steps == 1 else size), (plan, nbytes)
+    size = plan.shape.num_elements()
+    assert nbytes == (4 + 2 * averaged) * size if steps == 1 else 4 * size, (plan, nbytes)
 
 
 def test_the_checkpoint_holds_the_shared_moment(tmp_path, uncompressed):
@@ -265,11 +287,11 @@ def test_the_checkpoint_holds_the_shared_moment(tmp_path, uncompressed):
   restored.build(restored_model.trainable_variables)
   tf.train.Checkpoint(optimizer=restored).restore(saved)
   for k, variable in enumerate(restored.shared_velocities):
-    np.testing.assert_allclose(variable.numpy(), adam.shared[k], rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(variable.numpy(), adam.shared[k], **MOMENT_TOLERANCE)
     if mode == "global":  # the mean of the replicas' own
       np.testing.assert_allclose(restored.momentum_squares[k].numpy(),
                                  np.mean([adam.w[r][k] for r in range(replicas)], axis=0),
-                                 rtol=1e-5, atol=1e-9)
+                                 **MOMENT_TOLERANCE)
   assert int(restored.iterations.numpy()) == steps
   del strategy
 
@@ -288,10 +310,10 @@ def test_compressed_steps_keep_error_feedback_and_adamw_decays_as_keras(precondi
   expected, _, residues = reference(start, replicas, steps, density=density,
                                     precondition=precondition,
                                     weight_decay=decay, decayed=[0])  # kernel, not bias
-  assert_replicas_hold(model, strategy, expected)
+  assert_replicas_hold(model, strategy, expected, **STEP_TOLERANCE)
   for k in range(len(start)):
     for r, copy in enumerate(replica_values(model.optimizer.residues[k][0], strategy)):
-      np.testing.assert_allclose(copy, residues[r][k], rtol=1e-4, atol=1e-7)
+      np.testing.assert_allclose(copy, residues[r][k], **STEP_TOLERANCE)
 
 
 @pytest.mark.parametrize("make", [lambda: keras.optimizers.Adam(**ADAM),
@@ -416,4 +438,4 @@ def test_an_embeddings_second_moment_is_keras_sum_of_squared_slices(mode):
   _, keras_v = shared_moment.moment_slots(plain.optimizer)
   assert np.max(keras_v[0].numpy()) > 0
   np.testing.assert_allclose(two.optimizer.shared_velocities[0].numpy(),
-                             np.asarray(keras_v[0].numpy()), rtol=1e-5, atol=1e-12)
+                             np.asarray(keras_v[0].numpy()), rtol=2e-2, atol=1e-12)

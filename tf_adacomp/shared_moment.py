@@ -15,7 +15,7 @@ Per replica ``r`` and step ``t`` (1-based), with ``g_r`` its own mean gradient:
     v_r <- v_r + (1 - beta_2) (g_r^2 - v_r)         # its own second moment
     w_r <- w_r + (1 - beta_2) (m_r^2 / (1 - beta_1^t)^2 - w_r)   # "global" only
     at an average: v <- f(mean of v_r, mean of w_r); v_r, w_r <- their means; s <- t
-    u_r = -lr sqrt(1 - beta_2^s) / (1 - beta_1^t) * m_r / (sqrt(v) + epsilon)
+    u_r = clip(-lr sqrt(1 - beta_2^s) / (1 - beta_1^t) * m_r / (sqrt(v) + epsilon))
 
 ``s`` is the step of the last average: Keras' bias correction, with the shared moment's
 age. ``f`` is the mean itself (``second_moment="shared"``), or the estimate of the mean
@@ -28,13 +28,15 @@ The replicas' steps ``u_r`` are compressed with error feedback and exchanged; ev
 replica applies their mean (and AdamW's decoupled weight decay, the same on every
 replica).
 
-Averages (one dense all-reduce of ``v_r``, and of ``w_r`` for "global") happen at steps
-1, 2, 4, 8, ... (the interval doubles, as 0/1 Adam's variance updates; with
-``max_interval=k``, those below ``k`` and then every ``k`` steps), and at any step where
-some replica's own ``v_r`` has outgrown the shared ``v`` (``is_stale``): an element first
-seen after the last average (an Embedding row of a rare token) would otherwise be divided
-by ``epsilon`` alone. Without compression the result is, on every replica, Adam's step
-on the mean gradient with the shared ``v``.
+Averages (one dense all-reduce of ``v_r``, and of ``w_r`` for "global", in bfloat16)
+happen at steps 1, 2, 4, 8, ... (the interval doubles, as 0/1 Adam's variance updates;
+with ``max_interval=k``, those below ``k`` and then every ``k`` steps). Between them the
+shared ``v`` is older than the replicas' own, and an element first seen after the last
+average (an Embedding row of a rare token) has none: ``u`` is clipped to Adam's own
+bound on a step, ``step_bound`` (with ``precondition="after"`` after the exchange, on
+the mean, which is the same on every replica). Without compression the result is, on
+every replica, Adam's step on the mean gradient with the shared ``v``, where the bound
+does not bind.
 
 This module holds the mathematics and the one place where Adam's slots are read.
 """
@@ -45,10 +47,6 @@ import tensorflow as tf
 from tf_adacomp.compat import internals
 
 SECOND_MOMENTS = ("local", "shared", "global")
-# A replica asks for an average when its own second moment exceeds the shared one this
-# many times somewhere (``is_stale``): Adam's step there is then at most sqrt(16) = 4
-# times what a fresh average would give.
-STALE_RATIO = 16.0
 
 
 def supports(optimizer) -> bool:
@@ -107,20 +105,24 @@ def is_sync_step(step, max_interval=None):
                        tf.equal(step % max_interval, 0))
 
 
-def is_stale(v, shared_v, t, synced_at, beta_2, below=1):
-  """Whether this replica's own second moment ``v`` (at step ``t``) has outgrown the
-  shared one (computed at step ``synced_at``) somewhere: more than ``STALE_RATIO *
-  below`` times it, both bias-corrected, where ``below`` is how far the shared moment is
-  meant to sit below the replicas' own (1, or the replica count for the "global"
-  estimate and for sparse moments). An element first seen after the last average would
-  otherwise be divided by ``epsilon`` alone; its replica asks for an average instead.
+def step_bound(alpha, beta_1, beta_2):
+  """The largest step Keras' Adam can take on an element, over every gradient history:
+  ``alpha * (1 - beta_1) / sqrt((1 - beta_2) (1 - beta_1^2 / beta_2))`` (Cauchy-Schwarz
+  on ``m = sum (1 - beta_1) beta_1^k g_k`` against ``v = sum (1 - beta_2) beta_2^k
+  g_k^2``); infinite when ``beta_1^2 >= beta_2``. With its own second moment Adam never
+  reaches it, so the clip changes only steps divided by a shared moment that is older
+  than, or below, the element's own.
   """
-  dtype = v.dtype
-  beta_2 = tf.cast(beta_2, dtype)
-  own_correction = 1 - tf.pow(beta_2, tf.cast(t, dtype))
-  shared_correction = 1 - tf.pow(beta_2, tf.cast(synced_at, dtype))
-  return tf.reduce_any(v * shared_correction
-                       > STALE_RATIO * below * shared_v * own_correction)
+  beta_1, beta_2 = float(beta_1), float(beta_2)
+  if beta_1 ** 2 >= beta_2:
+    return alpha * float("inf")
+  return alpha * (1 - beta_1) / ((1 - beta_2) * (1 - beta_1 ** 2 / beta_2)) ** 0.5
+
+
+def clip(update, bound):
+  """``update`` clipped elementwise to ``[-bound, bound]``."""
+  bound = tf.cast(bound, update.dtype)
+  return tf.clip_by_value(update, -bound, bound)
 
 
 def local_moments(m, v, grad, beta_1, beta_2, square=None):
@@ -191,9 +193,11 @@ def divisor(shared_v, epsilon):
 
 
 def step(m, shared_v, learning_rate, t, synced_at, beta_1, beta_2, epsilon):
-  """Adam's update (to add to the weights): ``-step_size(...) * m / divisor(...)``."""
-  alpha = tf.cast(step_size(learning_rate, t, synced_at, beta_1, beta_2), m.dtype)
-  return -alpha * m / divisor(shared_v, epsilon)
+  """Adam's update (to add to the weights): ``-step_size(...) * m / divisor(...)``,
+  clipped to ``step_bound``."""
+  alpha = step_size(learning_rate, t, synced_at, beta_1, beta_2)
+  update = -tf.cast(alpha, m.dtype) * m / divisor(shared_v, epsilon)
+  return clip(update, step_bound(alpha, beta_1, beta_2))
 
 
 def decayed(optimizer, variable, value):
