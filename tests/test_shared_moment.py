@@ -202,7 +202,8 @@ def _shared(inner=None, compressor="none", mode="shared", **kwargs):
       second_moment=mode, **kwargs)
 
 
-@pytest.fixture(scope="module", params=["shared", "global"])
+# "shared" in the slow tier: "global" (the default) takes the same path, and more.
+@pytest.fixture(scope="module", params=["global", pytest.param("shared", marks=pytest.mark.slow)])
 def uncompressed(request):
   """3 replicas, 3 steps (averages at steps 1 and 2, not 3), no compression."""
   replicas, steps = 3, 3
@@ -235,7 +236,9 @@ def test_without_compression_every_replica_takes_adams_step_on_the_mean_gradient
     assert np.any((adam.shared[0] < v) & (adam.shared[0] > v / replicas))
 
 
-@pytest.mark.parametrize("precondition", ["before", "after"])
+# "after" in the slow tier: the same bound, on the mean rather than each replica's step.
+@pytest.mark.parametrize("precondition", ["before",
+                                          pytest.param("after", marks=pytest.mark.slow)])
 def test_an_element_first_seen_after_an_average_moves_no_further_than_adam_can(precondition):
   # Feature 0 is zero in the first two steps' data: the shared moment of its weights is
   # zero after the average at step 2, and step 3 (not an average) would divide their
@@ -296,7 +299,9 @@ def test_the_checkpoint_holds_the_shared_moment(tmp_path, uncompressed):
   del strategy
 
 
-@pytest.mark.parametrize("precondition", ["before", "after"])
+# "after" in the slow tier: the same exchange, of the first moment, divided on arrival.
+@pytest.mark.parametrize("precondition", ["before",
+                                          pytest.param("after", marks=pytest.mark.slow)])
 def test_compressed_steps_keep_error_feedback_and_adamw_decays_as_keras(precondition):
   replicas, steps, density, decay = 2, 3, 0.25, 0.5
 
@@ -316,9 +321,10 @@ def test_compressed_steps_keep_error_feedback_and_adamw_decays_as_keras(precondi
       np.testing.assert_allclose(copy, residues[r][k], **STEP_TOLERANCE)
 
 
-@pytest.mark.parametrize("make", [lambda: keras.optimizers.Adam(**ADAM),
-                                  lambda: keras.optimizers.AdamW(weight_decay=0.3, **ADAM)],
-                         ids=["Adam", "AdamW"])
+# Adam in the slow tier: AdamW is Adam with a decay.
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda: keras.optimizers.Adam(**ADAM), marks=pytest.mark.slow),
+    lambda: keras.optimizers.AdamW(weight_decay=0.3, **ADAM)], ids=["Adam", "AdamW"])
 def test_one_replica_is_the_plain_optimizer(make):
   x, y = data(1, 3)
   results = []
@@ -423,16 +429,20 @@ def _token_fit(optimizer, replicas, steps):
   return model
 
 
-# "global" in the slow tier: sparse moments take the same path in both modes.
-@pytest.mark.parametrize("mode", ["shared", pytest.param("global", marks=pytest.mark.slow)])
-def test_an_embeddings_second_moment_is_keras_sum_of_squared_slices(mode):
-  # Keras' Adam squares an IndexedSlices gradient's slices before summing duplicates; one
-  # replica of the shared moment is Keras' Adam bit for bit, and with 2 replicas the
-  # Embedding's shared moment after an average is Keras' on the global batch.
+def test_one_replica_on_an_embedding_is_keras_adam():
+  # Keras' Adam squares an IndexedSlices gradient's slices before summing duplicates.
   plain = _token_fit(lambda: keras.optimizers.Adam(**ADAM), 1, 3)
-  one = _token_fit(_shared(mode=mode), 1, 3)
+  one = _token_fit(_shared(mode="global"), 1, 3)
   for a, b in zip(plain.get_weights(), one.get_weights()):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+# The fast tier has the one-replica case above; sparse moments take one path in both modes.
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["shared", "global"])
+def test_an_embeddings_shared_moment_is_keras_on_the_global_batch(mode):
+  # With 2 replicas the Embedding's shared moment after an average is the sum of the
+  # squared slices of both replicas' batches: Keras' Adam on the global batch.
   plain = _token_fit(lambda: keras.optimizers.Adam(**ADAM), 2, 1)
   two = _token_fit(_shared(mode=mode), 2, 1)
   _, keras_v = shared_moment.moment_slots(plain.optimizer)
