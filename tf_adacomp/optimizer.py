@@ -32,6 +32,12 @@ Modelled on Keras' ``LossScaleOptimizer``. Two exchanges (``exchange=``; the def
   replicas' copies, and a restore gives that mean to every replica (across workers too
   under ``MultiWorkerMirroredStrategy``).
 
+Adam and AdamW under the update exchange: each replica's own step is not linear in its
+gradient, so by default (``second_moment="global"``) every replica divides its own first
+moment by one shared second moment and the wrapper computes Adam's step itself
+(``tf_adacomp.shared_moment``); the mean of the replicas' steps is then Adam's step on
+the mean gradient.
+
 Options of the update exchange: ``momentum_masking`` (DGC's momentum factor masking) and,
 for either exchange, ``local_clipnorm`` (DGC's local gradient clipping). It works without
 a strategy (compression is applied locally, to study its effect on accuracy), under
