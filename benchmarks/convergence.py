@@ -118,7 +118,8 @@ def parse(argv=None):
   parser.add_argument("--targets", default="",
                       help="target accuracies, e.g. mlp=0.8 (default per model)")
   parser.add_argument("--optimizers", default="",
-                      help="inner optimizers, e.g. mlp=adam (sgd: momentum 0.9; default "
+                      help="inner optimizers, e.g. mlp=adam (sgd: momentum 0.9; adamw: "
+                      "the transformer's, with warm-up and cosine decay; default "
                       "per model)")
   parser.add_argument("--learning_rates", default="",
                       help="e.g. mlp=0.001 (default per model)")
@@ -163,8 +164,9 @@ def parse(argv=None):
                        ("optimizers", args.optimizers)):
     if set(option) - set(MODELS):
       parser.error(f"--{name} names models from {tuple(MODELS)}. Received: {name}={option!r}")
-  if set(args.optimizers.values()) - {"sgd", "adam"}:
-    parser.error(f"--optimizers takes sgd or adam. Received: optimizers={args.optimizers!r}")
+  if set(args.optimizers.values()) - {"sgd", "adam", "adamw"}:
+    parser.error(f"--optimizers takes sgd, adam or adamw. Received: "
+                 f"optimizers={args.optimizers!r}")
   if args.replicas < 1:
     parser.error(f"--replicas must be >= 1. Received: replicas={args.replicas}")
   if any(s < 1 for s in args.steps.values()) or args.eval_every < 1:

@@ -40,6 +40,20 @@ def test_smoke_dense_and_per_bin_adacomp(tmp_path):
   assert (tmp_path / "c.png").stat().st_size > 0
 
 
+@pytest.mark.slow
+def test_smoke_transformer_with_adamw_and_the_global_second_moment(tmp_path):
+  result = _run("--smoke", "--synthetic", "--models=transformer",
+                "--variants=none,adacomp+updates+global+after", "--seeds=0", "--replicas=2",
+                f"--json={tmp_path / 'c.json'}", f"--plot={tmp_path / 'c.png'}")
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  assert "loss gap" in result.stdout
+  model = json.loads((tmp_path / "c.json").read_text())["models"]["transformer"]
+  assert model["settings"]["optimizer"] == "adamw"
+  row = model["rows"]["adacomp+updates+global+after"]
+  assert "loss_gap_percent" in row and row["final_loss"] > 0
+  assert row["compression"]["dense"] > 1  # the attention kernels are dense
+
+
 @pytest.mark.parametrize("flags,named", [
     (["--models=vgg"], "models='vgg'"),
     (["--variants=adacomp,topk"], "variants='adacomp,topk'"),
