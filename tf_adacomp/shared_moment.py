@@ -62,12 +62,10 @@ def check_inner(optimizer, second_moment="shared") -> None:
   rather than silently dropped.
   """
   if not supports(optimizer):
-    raise ValueError(
-        f"`second_moment={second_moment!r}` computes Adam's step and needs a "
-        "keras.optimizers.Adam "
-        "or AdamW without amsgrad. Received: inner_optimizer="
-        f"{optimizer!r}" + (" with amsgrad=True" if getattr(optimizer, "amsgrad", False)
-                            else ""))
+    amsgrad = " with amsgrad=True" if getattr(optimizer, "amsgrad", False) else ""
+    raise ValueError(f"`second_moment={second_moment!r}` computes Adam's step and needs a "
+                     "keras.optimizers.Adam or AdamW without amsgrad. Received: "
+                     f"inner_optimizer={optimizer!r}{amsgrad}")
   unsupported = {"clipnorm": None, "clipvalue": None, "global_clipnorm": None,
                  "use_ema": False, "gradient_accumulation_steps": None,
                  "loss_scale_factor": None}
@@ -77,15 +75,14 @@ def check_inner(optimizer, second_moment="shared") -> None:
       hint = (" (use CompressedOptimizer(local_clipnorm=...) to clip each replica's "
               "gradient)" if "clip" in name else "")
       raise ValueError(f"`second_moment={second_moment!r}` does not apply the inner "
-                       "optimizer's "
-                       f"`{name}`{hint}. Received: {name}={value!r}")
+                       f"optimizer's `{name}`{hint}. Received: {name}={value!r}")
 
 
 def moment_slots(optimizer):
   """``(first moments, second moments)`` of a built Adam, in its variable order.
 
   Keras 3 keeps them in the private ``_momentums`` and ``_velocities``
-  (keras/src/optimizers/adam.py); tests/test_shared_moment.py fails if they move.
+  (keras/src/optimizers/adam.py); tests/compat/test_internals.py fails if they move.
   """
   momentums = getattr(optimizer, "_momentums", None)
   velocities = getattr(optimizer, "_velocities", None)
