@@ -175,11 +175,12 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       "local": each replica divides its own first moment by its own second moment, and
       the mean of those steps is not Adam's step on the mean gradient (Adam is not
       linear in its gradient). "shared": every replica divides by the same second
-      moment, the replicas' mean, averaged (a dense all-reduce, counted in the bytes) at
-      steps 1, 2, 4, 8, ... and whenever an element outgrows it; the step is then linear
-      in the first moment, and without compression every replica takes Adam's step on
-      the mean gradient with that second moment (1-bit Adam's and 0/1 Adam's
-      observation). "global": as "shared", with the second moment of the mean gradient
+      moment, the replicas' mean, averaged (a dense bfloat16 all-reduce, counted in the
+      bytes) at steps 1, 2, 4, 8, ...; the step is then linear in the first moment, and
+      without compression every replica takes Adam's step on the mean gradient with that
+      second moment (1-bit Adam's and 0/1 Adam's observation). Each step is clipped to
+      Adam's own bound on a step, which binds only where the shared moment is older
+      than the element (one first seen after the last average). "global": as "shared", with the second moment of the mean gradient
       estimated from the replicas' own (a replica's smaller batch has R times its
       noise); it also keeps a moving average of each replica's squared first moment. An
       Embedding's sparse gradient adds its slices' squares, as Keras' Adam does. The
@@ -209,9 +210,9 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       apply (gradient exchange, an inner optimizer without momentum, a compressor
       without residue); ``local_clipnorm`` not a finite number > 0; ``start_step`` < 0;
       ``second_moment`` not None or one of ``shared_moment.SECOND_MOMENTS``, or "shared"
-      or "global" where it cannot apply
-      (another exchange or reduction, momentum masking, an inner optimizer that is not
-      an Adam or AdamW or has settings the shared step would drop);
+      or "global" where it cannot apply (another exchange or reduction, momentum
+      masking, an inner optimizer that is not an Adam or AdamW or has settings the
+      shared step would drop);
       ``second_moment_interval`` not an int >= 1, or set with "local"; ``precondition``
       not "before" or "after", or "after" with "local";
       a base optimizer argument other than its Keras default (set those on the inner
@@ -326,7 +327,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       # it) and, for "global", each replica's moment of its squared first moment.
       self.shared_velocities = self._add_moment_variables(var_list, "shared_velocity")
       # The step the shared moment was last computed at (0: never), for its bias
-      # correction and its staleness; the same on every replica.
+      # correction; the same on every replica.
       self.moment_synced_at = self.add_variable(
           shape=(), dtype="int64", aggregation="only_first_replica", name="moment_synced_at")
       if self.second_moment == "global":
