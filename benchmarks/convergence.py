@@ -3,7 +3,8 @@
 For each model, each variant and each seed, trains with ``model.fit`` under a
 MirroredStrategy over 4 logical CPU devices (4 replicas; ``--replicas``), the same data
 order, initial weights, step budget and hyper-parameters for every variant, and measures
-test accuracy on a fixed test subset every ``--eval_every`` steps. Models (small enough for CPUs):
+test accuracy and loss on a fixed test subset every ``--eval_every`` steps (default per
+model). Models (small enough for CPUs):
 
 - ``mlp``: a wide MLP (784-W-W-10, W = --width) on Fashion-MNIST, SGD 0.05 momentum 0.9;
 - ``cnn``: the Fashion-MNIST CNN of examples/fashion_mnist.py, SGD 0.05 momentum 0.9;
@@ -22,8 +23,12 @@ Variants: ``none`` (dense all-reduce), ``bf16``, ``adacomp`` (compressed gradien
 (``CompressedOptimizer(exchange="updates")``: each replica's own optimizer step,
 updates compressed), ``adacomp+updates+masking`` (and ``momentum_masking=True``),
 ``adacomp-bin+updates``, ``adacomp+updates+warmup50`` (``start_step=50``: 50 dense steps
-first). A variant whose ``CompressedOptimizer`` option does not exist in
-this version of the library is skipped with a note.
+first); for Adam and AdamW, the second moment: ``adacomp+updates+local`` (each
+replica's own), ``+shared`` (the replicas' mean), ``+global`` (estimated for the global
+batch), ``+global64`` (averaged every 64 steps once the doubling interval reaches 64),
+``+global+after`` (``precondition="after"``), and ``none+updates+...`` the same without
+compression. A variant whose ``CompressedOptimizer`` option does not exist in this
+version of the library is skipped with a note.
 
     python benchmarks/convergence.py                      # every model
     python benchmarks/convergence.py --models=mlp,cnn \
@@ -32,6 +37,8 @@ this version of the library is skipped with a note.
     python benchmarks/convergence.py --models=mlp --variants=none,adacomp --seeds=0,1,2
     python benchmarks/convergence.py --models=mlp --width=256 --optimizers=mlp=adam \
         --learning_rates=mlp=0.001 --variants=none,adacomp,adacomp+updates  # MLP, Adam
+    python benchmarks/convergence.py --models=transformer,lstm --seeds=0,1 \
+        --variants=none,bf16,adacomp+updates+global,adacomp+updates+global+after,adacomp+updates+local
     python benchmarks/convergence.py --smoke --synthetic  # seconds: plumbing only
 
 Prints, per model, the final accuracy (the mean of the last quarter of the evaluations;
@@ -53,16 +60,20 @@ import types
 import report  # benchmarks/report.py, beside this script
 
 REPLICAS = 4
-# Per model: step budget, global batch, learning rate, inner optimizer, target accuracy.
+# Per model: step budget, global batch, learning rate, inner optimizer, target accuracy,
+# test examples and steps between evaluations. The LSTM's 600 steps are 3.4 epochs of
+# the six plays; ResNet-20's batch-normalised evaluations need thousands of steps.
 MODELS = {
-    "mlp": dict(steps=300, batch=128, lr=0.05, optimizer="sgd", target=0.80, eval_size=2000),
-    "cnn": dict(steps=300, batch=128, lr=0.05, optimizer="sgd", target=0.80, eval_size=2000),
-    "resnet20": dict(steps=100, batch=64, lr=0.1, optimizer="sgd", target=0.70,
-                     eval_size=1000),
-    "lstm": dict(steps=150, batch=64, lr=0.002, optimizer="adam", target=0.35,
-                 eval_size=200),
+    "mlp": dict(steps=300, batch=128, lr=0.05, optimizer="sgd", target=0.80, eval_size=2000,
+                eval_every=25),
+    "cnn": dict(steps=300, batch=128, lr=0.05, optimizer="sgd", target=0.80, eval_size=2000,
+                eval_every=25),
+    "resnet20": dict(steps=2000, batch=64, lr=0.1, optimizer="sgd", target=0.70,
+                     eval_size=1000, eval_every=100),
+    "lstm": dict(steps=600, batch=64, lr=0.002, optimizer="adam", target=0.35,
+                 eval_size=200, eval_every=50),
     "transformer": dict(steps=1500, batch=64, lr=0.001, optimizer="adamw", target=0.40,
-                        eval_size=200),
+                        eval_size=200, eval_every=100),
 }
 TEXT_MODELS = ("lstm", "transformer")
 # The targets: final accuracy gap to dense (points), steps-to-target ratio (MLP),
@@ -126,7 +137,8 @@ def parse(argv=None):
                       "per model)")
   parser.add_argument("--learning_rates", default="",
                       help="e.g. mlp=0.001 (default per model)")
-  parser.add_argument("--eval_every", type=int, default=25)
+  parser.add_argument("--eval_every", type=int, default=None,
+                      help="steps between evaluations (default per model)")
   parser.add_argument("--replicas", type=int, default=REPLICAS,
                       help="logical CPU devices, one replica each (4)")
   parser.add_argument("--width", type=int, default=1024, help="the MLP's hidden width")
@@ -172,7 +184,7 @@ def parse(argv=None):
                  f"optimizers={args.optimizers!r}")
   if args.replicas < 1:
     parser.error(f"--replicas must be >= 1. Received: replicas={args.replicas}")
-  if any(s < 1 for s in args.steps.values()) or args.eval_every < 1:
+  if any(s < 1 for s in args.steps.values()) or (args.eval_every or 1) < 1:
     parser.error(f"--steps and --eval_every must be >= 1. Received: steps={args.steps!r}, "
                  f"eval_every={args.eval_every}")
   if args.smoke:
@@ -184,9 +196,9 @@ def parse(argv=None):
 def settings(args, model):
   s = dict(MODELS[model])
   if args.smoke:
-    s.update(steps=4, eval_size=64, batch=16)
-    args.eval_every = min(args.eval_every, 2)
+    s.update(steps=4, eval_size=64, batch=16, eval_every=2)
   s["steps"] = args.steps.get(model, s["steps"])
+  s["eval_every"] = args.eval_every or s["eval_every"]
   s["target"] = args.targets.get(model, s["target"])
   s["optimizer"] = args.optimizers.get(model, s["optimizer"])
   s["lr"] = args.learning_rates.get(model, s["lr"])
@@ -337,7 +349,7 @@ def run_one(args, strategy, model_name, variant, seed, data, s):
   class Evaluate(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
-      if (batch + 1) % args.eval_every == 0 or batch + 1 == s["steps"]:
+      if (batch + 1) % s["eval_every"] == 0 or batch + 1 == s["steps"]:
         evaluate(batch + 1)
 
   stats = tf_adacomp.CompressionStats()
