@@ -3,8 +3,8 @@ with the eager, strategy-free pieces a NumPy replay of an exchange needs.
 
 Each replica's shard of a batch has its own target map, so the replicas' gradients
 disagree; ``own_mean_gradients`` gives, eagerly and without a strategy, the gradient one
-replica computes on its shard. Used by tests/test_optimizer_updates.py and
-tests/test_shared_moment.py.
+replica computes on its shard. Used by tests/test_optimizer_updates.py,
+tests/test_optimizer_adasum.py and tests/test_shared_moment.py.
 """
 
 import math

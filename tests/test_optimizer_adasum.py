@@ -8,65 +8,14 @@ tests/ops/test_adasum.py, and stepped with plain NumPy SGD.
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import digits_data
 import tf_adacomp
 from adasum_reference import np_adasum
+from replica_harness import (DEVICES, PER_REPLICA, data, fit, linear_model, own_mean_gradients,
+                             replica_weights, shards)
 
-DEVICES = [f"/cpu:{i}" for i in range(4)]
-FEATURES, OUTPUTS, PER_REPLICA = 5, 3, 4
 LR = 0.1
-
-
-def _model():
-  keras.utils.set_random_seed(1)
-  model = keras.Sequential([keras.Input([FEATURES]), keras.layers.Dense(OUTPUTS)])
-  return model
-
-
-def _data(replicas, steps):
-  rng = np.random.default_rng(7)
-  x = rng.standard_normal([steps * replicas * PER_REPLICA, FEATURES]).astype(np.float32)
-  # Each replica's shard has its own target map, so their gradients disagree.
-  maps = rng.standard_normal([replicas, FEATURES, OUTPUTS]).astype(np.float32)
-  shard = (np.arange(len(x)) // PER_REPLICA) % replicas
-  y = np.einsum("nf,nfo->no", x, maps[shard]).astype(np.float32)
-  return x, y
-
-
-def _own_mean_gradients(weights, x, y):
-  """Per-variable gradients of the mean squared error of one shard (no strategy)."""
-  model = _model()
-  model.set_weights(weights)
-  with tf.GradientTape() as tape:
-    loss = tf.reduce_mean(keras.losses.mean_squared_error(y, model(x)))
-  return [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
-
-
-def _fit(optimizer, replicas, steps, cross_device_ops=None):
-  strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES[:replicas],
-                                                     cross_device_ops=cross_device_ops)
-  x, y = _data(replicas, steps)
-  with strategy.scope():
-    model = _model()
-    model.compile(optimizer=optimizer(), loss="mse")
-  start = model.get_weights()
-  model.fit(x, y, batch_size=replicas * PER_REPLICA, epochs=1, shuffle=False, verbose=0)
-  return start, model, strategy
-
-
-def _shards(replicas, step, steps):
-  x, y = _data(replicas, steps)
-  batch = slice(step * replicas * PER_REPLICA, (step + 1) * replicas * PER_REPLICA)
-  xb, yb = x[batch], y[batch]
-  return [(xb[r * PER_REPLICA:(r + 1) * PER_REPLICA], yb[r * PER_REPLICA:(r + 1) * PER_REPLICA])
-          for r in range(replicas)]
-
-
-def _replica_weights(model, strategy):
-  return [[c.numpy() for c in strategy.experimental_local_results(v.value)]
-          for v in model.trainable_variables]
 
 
 # Both exchanges and both replica counts (3: not a power of two) stay in the fast tier;
@@ -84,16 +33,16 @@ def test_gradient_mode_is_the_adasum_of_the_replicas_mean_gradients(replicas, ex
   else:
     optimizer = lambda: keras.optimizers.SGD(LR)  # noqa: E731
     ops = tf_adacomp.CompressedAllReduce("none", reduction="adasum")
-  start, model, strategy = _fit(optimizer, replicas, steps, ops)
+  start, model, strategy = fit(optimizer, replicas, steps, ops)
 
   weights = [w.astype(np.float64) for w in start]
   for step in range(steps):
-    grads = [_own_mean_gradients([w.astype(np.float32) for w in weights], xs, ys)
-             for xs, ys in _shards(replicas, step, steps)]
+    grads = [own_mean_gradients([w.astype(np.float32) for w in weights], xs, ys)
+             for xs, ys in shards(replicas, step, steps)]
     for v in range(len(weights)):
       combined = np_adasum([g[v] for g in grads]).reshape(weights[v].shape)
       weights[v] = weights[v] - LR * combined
-  for v, copies in enumerate(_replica_weights(model, strategy)):
+  for v, copies in enumerate(replica_weights(model, strategy)):
     for copy in copies:  # bit-identical on every replica
       np.testing.assert_array_equal(copy, copies[0])
     np.testing.assert_allclose(copies[0], weights[v], rtol=1e-5, atol=1e-6)
@@ -102,22 +51,22 @@ def test_gradient_mode_is_the_adasum_of_the_replicas_mean_gradients(replicas, ex
 @pytest.mark.parametrize("replicas", [3, pytest.param(4, marks=pytest.mark.slow)])
 def test_delta_mode_combines_local_momentum_steps(replicas):
   steps, momentum = 2, 0.9
-  start, model, strategy = _fit(lambda: tf_adacomp.CompressedOptimizer(
+  start, model, strategy = fit(lambda: tf_adacomp.CompressedOptimizer(
       keras.optimizers.SGD(LR, momentum=momentum), "none", reduction="adasum",
       adasum_mode="delta"), replicas, steps)
 
   weights = [w.astype(np.float64) for w in start]
   velocity = [[np.zeros_like(w) for w in weights] for _ in range(replicas)]
   for step in range(steps):
-    shards = _shards(replicas, step, steps)
+    replica_shards = shards(replicas, step, steps)
     deltas = []
     for r in range(replicas):  # each replica: its own SGD step with its own momentum
-      grads = _own_mean_gradients([w.astype(np.float32) for w in weights], *shards[r])
+      grads = own_mean_gradients([w.astype(np.float32) for w in weights], *replica_shards[r])
       velocity[r] = [momentum * m - LR * g for m, g in zip(velocity[r], grads)]
       deltas.append(velocity[r])
     weights = [w + np_adasum([d[v] for d in deltas]).reshape(w.shape)
                for v, w in enumerate(weights)]
-  for v, copies in enumerate(_replica_weights(model, strategy)):
+  for v, copies in enumerate(replica_weights(model, strategy)):
     for copy in copies:
       np.testing.assert_array_equal(copy, copies[0])
     np.testing.assert_allclose(copies[0], weights[v], rtol=1e-5, atol=1e-6)
@@ -125,7 +74,7 @@ def test_delta_mode_combines_local_momentum_steps(replicas):
 
 
 def test_one_replica_adasum_is_the_plain_optimizer():
-  x, y = _data(1, 3)
+  x, y = data(1, 3)
   results = []
   for optimizer in (keras.optimizers.SGD(LR, momentum=0.9),
                     tf_adacomp.CompressedOptimizer(keras.optimizers.SGD(LR, momentum=0.9),
@@ -133,7 +82,7 @@ def test_one_replica_adasum_is_the_plain_optimizer():
                     tf_adacomp.CompressedOptimizer(keras.optimizers.SGD(LR, momentum=0.9),
                                                    "none", reduction="adasum",
                                                    adasum_mode="delta")):
-    model = _model()
+    model = linear_model()
     model.compile(optimizer=optimizer, loss="mse")
     model.fit(x, y, batch_size=PER_REPLICA, verbose=0, shuffle=False)
     results.append(model.get_weights())
@@ -169,16 +118,16 @@ def test_adacomp_with_adasum_trains_on_digits_with_identical_replicas(mode):
 def test_delta_mode_skips_a_step_with_a_non_finite_gradient_on_one_replica():
   replicas = 2
   strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES[:replicas])
-  x, y = _data(replicas, 1)
+  x, y = data(replicas, 1)
   x[0, 0] = np.inf  # replica 0's shard only
   with strategy.scope():
-    model = _model()
+    model = linear_model()
     model.compile(optimizer=tf_adacomp.CompressedOptimizer(
         keras.optimizers.SGD(LR, momentum=0.9), tf_adacomp.AdaComp(), reduction="adasum",
         adasum_mode="delta"), loss="mse")
   start = model.get_weights()
   model.fit(x, y, batch_size=replicas * PER_REPLICA, verbose=0, shuffle=False)
-  for before, copies in zip(start, _replica_weights(model, strategy)):
+  for before, copies in zip(start, replica_weights(model, strategy)):
     for copy in copies:
       np.testing.assert_array_equal(copy, before)
   for state in model.optimizer.residues:
