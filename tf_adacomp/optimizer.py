@@ -579,7 +579,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
         targets.append(variable)
         values.append(tf.where(finite, value, old[key][i]))
     pairs = [(variables[k], fused.add_if(
-        finite, shared_moment.decayed(inner, variables[k], tf.convert_to_tensor(variables[k])),
+        finite, shared_moment.decayed(inner, variables[k], tf.convert_to_tensor(variables[k]),
+                                      learning_rate),
         combined[k])) for k in present]
     self._assign_per_replica(targets + [v for v, _ in pairs], values + [x for _, x in pairs])
     self.moment_synced_at.assign(tf.where(finite, synced_at, old_synced_at))

@@ -197,10 +197,10 @@ def step(m, shared_v, learning_rate, t, synced_at, beta_1, beta_2, epsilon):
   return clip(update, step_bound(alpha, beta_1, beta_2))
 
 
-def decayed(optimizer, variable, value):
+def decayed(optimizer, variable, value, learning_rate):
   """``value`` after the inner optimizer's decoupled weight decay (AdamW) for ``variable``
-  (unchanged without weight decay or for an excluded variable)."""
+  at ``learning_rate`` (unchanged without weight decay or for an excluded variable)."""
   if not optimizer.weight_decay or not internals.uses_weight_decay(optimizer, variable):
     return value
-  lr = tf.cast(optimizer.learning_rate, value.dtype)
+  lr = tf.cast(learning_rate, value.dtype)
   return value - value * tf.cast(optimizer.weight_decay, value.dtype) * lr
