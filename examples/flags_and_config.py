@@ -27,6 +27,8 @@ REDUCTIONS = tf_adacomp.exchange.REDUCTIONS
 ADASUM_MODES = tf_adacomp.optimizer.ADASUM_MODES
 OPTIMIZER_EXCHANGES = tf_adacomp.optimizer.EXCHANGES
 SECOND_MOMENTS = tf_adacomp.shared_moment.SECOND_MOMENTS
+# --outer_optimizer: the mean of the replicas' pseudo-updates, or DiLoCo's Nesterov SGD.
+OUTER_OPTIMIZERS = ("average", "nesterov")
 # The exchange of each reduction when --optimizer_exchange is unset.
 DEFAULT_OPTIMIZER_EXCHANGE = tf_adacomp.optimizer.DEFAULT_EXCHANGE
 LR_SCHEDULES = ("constant", "cosine", "step", "legw")
@@ -63,6 +65,13 @@ flags.DEFINE_enum("second_moment", None, SECOND_MOMENTS,
                   "second moment, or one shared by all (the replicas' mean, or 'global': "
                   "estimated for the global batch). Default: the library's "
                   "(tf_adacomp.optimizer.default_second_moment).")
+flags.DEFINE_integer("local_steps", None, "With --exchange=optimizer: steps each replica "
+                     "takes on its own between exchanges (DiLoCo, SparseLoCo; "
+                     "docs/distributed.md). Default 1: every step.")
+flags.DEFINE_enum("outer_optimizer", None, OUTER_OPTIMIZERS,
+                  "With --exchange=optimizer: how a round's exchanged pseudo-update moves "
+                  "the weights: average (apply the mean) or nesterov (DiLoCo's Nesterov "
+                  "SGD, learning rate 0.7, momentum 0.9). Default: the library's.")
 flags.DEFINE_float("local_clipnorm", None, "With --exchange=optimizer: clip each "
                    "replica's own mean gradient to this global norm before compression.")
 flags.DEFINE_integer("conv_bin_size", None, "AdaComp bin length L_T of conv kernels (50).")
@@ -123,6 +132,8 @@ class Config:
   momentum_masking: bool = False
   local_clipnorm: Optional[float] = None
   second_moment: Optional[str] = None  # None: CompressedOptimizer's default
+  local_steps: Optional[int] = None  # None: CompressedOptimizer's default (1)
+  outer_optimizer: Optional[str] = None  # None: CompressedOptimizer's default
   conv_bin_size: int = 50
   dense_bin_size: int = 500
   recurrent_bin_size: int = 500
@@ -206,7 +217,13 @@ def validate(config: Config):
        "optimizer_exchange", "'updates' or unset with --adasum_mode=delta")
   need(config.second_moment in (None, *SECOND_MOMENTS), "second_moment",
        f"one of {SECOND_MOMENTS} or unset")
-  for name in ("optimizer_exchange", "local_clipnorm", "second_moment"):
+  need(config.local_steps is None or (isinstance(config.local_steps, int)
+                                      and config.local_steps >= 1),
+       "local_steps", "an integer >= 1 or unset")
+  need(config.outer_optimizer in (None, *OUTER_OPTIMIZERS), "outer_optimizer",
+       f"one of {OUTER_OPTIMIZERS} or unset")
+  for name in ("optimizer_exchange", "local_clipnorm", "second_moment", "local_steps",
+               "outer_optimizer"):
     need(getattr(config, name) is None or config.exchange == "optimizer", name,
          "unset with --exchange=cross_device_ops (a CompressedOptimizer option)")
   need(config.local_clipnorm is None or (config.local_clipnorm > 0

@@ -53,7 +53,8 @@ def make_optimizer(config, steps_per_epoch: int):
     inner = keras.optimizers.Adam(rate)
   plain = (config.compressor == "none" and config.reduction == "sum"
            and config.optimizer_exchange in (None, "gradients")
-           and config.local_clipnorm is None and config.second_moment is None)
+           and config.local_clipnorm is None and config.second_moment is None
+           and config.local_steps is None and config.outer_optimizer is None)
   if plain or config.exchange == "cross_device_ops":
     return inner
   return tf_adacomp.CompressedOptimizer(
@@ -63,4 +64,12 @@ def make_optimizer(config, steps_per_epoch: int):
       # does not.
       adasum_mode="delta" if config.adasum_mode == "delta" else None,
       exchange=config.optimizer_exchange, momentum_masking=config.momentum_masking,
-      local_clipnorm=config.local_clipnorm, second_moment=config.second_moment)
+      local_clipnorm=config.local_clipnorm, second_moment=config.second_moment,
+      local_steps=config.local_steps or 1, outer_optimizer=_outer_optimizer(config))
+
+
+def _outer_optimizer(config):
+  """--outer_optimizer as CompressedOptimizer takes it (None: the library's default)."""
+  if config.outer_optimizer == "nesterov":
+    return tf_adacomp.local_steps.diloco()
+  return config.outer_optimizer

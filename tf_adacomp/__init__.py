@@ -27,6 +27,7 @@ with _quiet.quiet_tensorflow_import():
   import tensorflow as _tensorflow  # pylint: disable=unused-import
 
 from tf_adacomp import distribute
+from tf_adacomp import local_steps
 from tf_adacomp import ops
 from tf_adacomp import resist
 from tf_adacomp import schedules
@@ -69,6 +70,7 @@ __all__ = [
     "available_compressors",
     "distribute",
     "get_compressor",
+    "local_steps",
     "ops",
     "register_compressor",
     "replica_exchange",

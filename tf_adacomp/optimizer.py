@@ -58,6 +58,7 @@ import tensorflow as tf
 
 from tf_adacomp import compile_log
 from tf_adacomp import exchange as exchange_lib
+from tf_adacomp import local_steps as local_steps_lib
 from tf_adacomp import shared_moment
 from tf_adacomp import stats
 from tf_adacomp.compat import keras_multi_worker
@@ -226,7 +227,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
   def __init__(self, inner_optimizer, compressor="adacomp", start_step=0, name=None,
                reduction="sum", adasum_mode=None, exchange=None, momentum_masking=False,
                local_clipnorm=None, second_moment=None, second_moment_interval=None,
-               precondition="before", **kwargs):
+               precondition="before", local_steps=1, outer_optimizer=None, **kwargs):
     for argument, default in _BASE_DEFAULTS.items():
       value = kwargs.pop(argument, default)
       if (value is None) != (default is None) or value != default:
@@ -261,8 +262,11 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     local_clipnorm = _check_local_clipnorm(local_clipnorm)
     compressor = registry.get_compressor(compressor)
     _check_momentum_masking(momentum_masking, exchange, inner_optimizer, compressor)
+    local_steps = local_steps_lib.check_local_steps(local_steps)
+    outer_optimizer = local_steps_lib.resolve_outer_optimizer(outer_optimizer, local_steps)
+    _check_rounds(local_steps, outer_optimizer, exchange, reduction, momentum_masking)
     second_moment = _resolve_second_moment(second_moment, exchange, reduction,
-                                           inner_optimizer, momentum_masking)
+                                           inner_optimizer, momentum_masking, local_steps)
     second_moment_interval = _check_second_moment_interval(second_moment_interval,
                                                            second_moment)
     precondition = _check_precondition(precondition, second_moment)
@@ -285,6 +289,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     self.second_moment = second_moment
     self.second_moment_interval = second_moment_interval
     self.precondition = precondition
+    self.local_steps = local_steps
+    self.outer_optimizer = outer_optimizer
 
   # A LossScaleOptimizer around this one decides whether a step is finite over all
   # replicas (compat.loss_scale reads this marker): apply runs a collective, which every
@@ -332,6 +338,14 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
           shape=(), dtype="int64", aggregation="only_first_replica", name="moment_synced_at")
       if self.second_moment == "global":
         self.momentum_squares = self._add_moment_variables(var_list, "momentum_square")
+    if self.local_steps > 1:
+      # The weights every replica held when the round began (equal on all).
+      self.anchors = self._add_moment_variables(var_list, "anchor")
+    if not isinstance(self.outer_optimizer, str):
+      # Its state is the same on every replica (it steps the anchor, which is), and it
+      # is handed pseudo-gradients that are means already: no all-reduce of its own.
+      self.outer_optimizer.build(var_list)
+      setattr(self.outer_optimizer, ALL_REDUCE_HOOK, _no_all_reduce)
     if self.exchange == "updates":
       # Each replica steps the inner optimizer with its own state, so its slots hold one
       # value per replica (on-read, as the residues), and a checkpoint stores their mean
@@ -385,7 +399,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
 
   @property
   def variables(self):
-    return self._variables + self.inner_optimizer.variables
+    outer = [] if isinstance(self.outer_optimizer, str) else self.outer_optimizer.variables
+    return self._variables + self.inner_optimizer.variables + outer
 
   # --- Applying gradients ----------------------------------------------------------
 
@@ -428,7 +443,9 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
 
   def _apply_updates(self, grads, variables, indices, plans, states, dense):
     """The update exchange: local optimizer steps, then the mean (``reduction="sum"``)
-    or Adasum (``"adasum"``) of the replicas' compressed weight updates."""
+    or Adasum (``"adasum"``) of the replicas' compressed weight updates; with
+    ``local_steps=H`` only every H-th step ends a round and exchanges anything
+    (``tf_adacomp.local_steps``)."""
     ctx = tf.distribute.get_replica_context()
     replicas = ctx.num_replicas_in_sync
     # This replica's mean gradient; an Embedding's IndexedSlices are made dense, as the
@@ -436,17 +453,59 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     own = [None if g is None else tf.convert_to_tensor(g) * replicas for g in grads]
     if self.local_clipnorm is not None:
       own = _clip_by_global_norm(own, self.local_clipnorm)
-    # Every replica must take the same branch: step only if all gradients are finite.
-    bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                         tf.cast(tf.logical_not(fused.all_finite(own)), tf.float32))
-    stepped = tf.equal(bad, 0.0)
-    before = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
-    with tf.control_dependencies(before):
-      self._on_every_replica_if(
-          stepped, lambda local: self._apply_inner(local, variables), own)
+    if self.local_steps == 1:
+      # Every replica must take the same branch: step only if all gradients are finite.
+      bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                           tf.cast(tf.logical_not(fused.all_finite(own)), tf.float32))
+      stepped = tf.equal(bad, 0.0)
+      anchors = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
+      with tf.control_dependencies(anchors):
+        self._on_every_replica_if(
+            stepped, lambda local: self._apply_inner(local, variables), own)
+    else:
+      # A round begins: its anchor is the weights, the same on every replica. Nothing
+      # crosses devices until the round's last step, which decides whether it was finite.
+      stepped = None
+      round_start = tf.equal(tf.math.floormod(self.iterations, self.local_steps), 0)
+      anchors = self._start_round(round_start, variables, indices)
+      with tf.control_dependencies(anchors):
+        self._apply_inner(own, variables)
     # Automatic control dependencies order these reads after the local step.
-    deltas = [None if g is None else tf.convert_to_tensor(v) - b
-              for g, v, b in zip(grads, variables, before)]
+    deltas = [None if g is None else tf.convert_to_tensor(v) - a
+              for g, v, a in zip(grads, variables, anchors)]
+    if self.local_steps == 1:
+      self._finish_round(variables, indices, plans, states, anchors, deltas, dense, stepped)
+      return
+    self._record_bytes(indices, [None] * len(indices))  # nothing sent, unless a round ends
+    self._on_every_replica_if(
+        local_steps_lib.is_round_end(self.iterations, self.local_steps),
+        lambda deltas: self._finish_round(variables, indices, plans, states, anchors,
+                                          deltas, dense, stepped), deltas)
+
+  def _start_round(self, round_start, variables, indices):
+    """The anchors of this round: set to the weights at a round's first step."""
+    anchors = []
+    for i, variable in zip(indices, variables):
+      anchor = self.anchors[i]
+      weight = tf.convert_to_tensor(variable)
+      anchors.append(tf.cond(round_start, lambda a=anchor, w=weight: _assigned(a, w),
+                             lambda a=anchor: tf.convert_to_tensor(a)))
+    return anchors
+
+  def _finish_round(self, variables, indices, plans, states, anchors, deltas, dense, stepped):
+    """A round's end: the replicas' pseudo-updates ``deltas`` (local weights minus
+    ``anchors``) compressed, exchanged and combined; the outer optimizer (or the mean)
+    moves the anchor and every replica adopts it. ``stepped`` is whether every replica
+    took its local step (None: decided here, from the pseudo-updates)."""
+    ctx = tf.distribute.get_replica_context()
+    replicas = ctx.num_replicas_in_sync
+    if stepped is None:
+      bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                           tf.cast(tf.logical_not(fused.all_finite(deltas)), tf.float32))
+      stepped = tf.equal(bad, 0.0)
+      # Nothing that is not finite enters a compressor (its residue is kept anyway).
+      deltas = [None if d is None else tf.where(stepped, d, tf.zeros_like(d))
+                for d in deltas]
     exchanged = self._exchange.replica_exchange(plans, deltas, states, dense)
     # The mean of the replicas' updates (or their Adasum).
     combined = [None if s is None else self._exchange.reduction.to_mean(s, replicas)
@@ -457,9 +516,39 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     if self.momentum_masking:
       sent_step = finite if dense is None else tf.logical_and(finite, tf.logical_not(dense))
       self._mask_momentum(variables, states, deltas, exchanged.states, sent_step)
-    pairs = [(v, fused.add_if(finite, b, s))
-             for v, b, s in zip(variables, before, combined) if s is not None]
-    self._assign_per_replica([v for v, _ in pairs], [x for _, x in pairs])
+    present = [k for k, c in enumerate(combined) if c is not None]
+    if isinstance(self.outer_optimizer, str):  # "average"
+      self._assign_per_replica(
+          [variables[k] for k in present],
+          [fused.add_if(finite, anchors[k], combined[k]) for k in present])
+    else:
+      self._outer_step([variables[k] for k in present], [anchors[k] for k in present],
+                       [combined[k] for k in present], finite)
+    if self.local_steps > 1:
+      # A skipped round: a replica whose own steps went non-finite keeps going from the
+      # anchor with the finite part of its optimizer state.
+      slots = [x for x in self.inner_optimizer.variables if tf.as_dtype(x.dtype).is_floating]
+      self._assign_per_replica(slots, [
+          tf.where(finite, tf.convert_to_tensor(x),
+                   local_steps_lib.without_non_finite(tf.convert_to_tensor(x))) for x in slots])
+    return tf.constant(True)
+
+  def _outer_step(self, variables, anchors, updates, finite):
+    """The outer optimizer's step from the anchors on the pseudo-gradient ``-updates``
+    (the same on every replica); a round that is not finite leaves the anchors and the
+    outer optimizer's state as they were."""
+    outer = self.outer_optimizer
+    old_state = [tf.convert_to_tensor(x) for x in outer.variables]
+    with tf.control_dependencies(old_state):
+      self._assign_per_replica(variables, anchors)
+    gradients = [tf.where(finite, -u, tf.zeros_like(u)) for u in updates]
+    outer.apply(gradients, variables)
+    # Automatic control dependencies order these reads after the outer step.
+    self._assign_per_replica(
+        list(variables) + list(outer.variables),
+        [tf.where(finite, tf.convert_to_tensor(v), a) for v, a in zip(variables, anchors)]
+        + [tf.where(finite, tf.convert_to_tensor(x), old)
+           for x, old in zip(outer.variables, old_state)])
 
   def _apply_shared_moment(self, grads, variables, indices, plans, states, dense):
     """The update exchange with Adam's second moment shared by every replica
@@ -743,6 +832,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
         "second_moment": self.second_moment,
         "second_moment_interval": self.second_moment_interval,
         "precondition": self.precondition,
+        "local_steps": self.local_steps,
+        "outer_optimizer": local_steps_lib.serialize_outer(self.outer_optimizer),
     }
 
   @classmethod
@@ -750,6 +841,9 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     config = dict(config)
     inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"),
                                                   custom_objects=custom_objects)
+    if isinstance(config.get("outer_optimizer"), dict):
+      config["outer_optimizer"] = keras.saving.deserialize_keras_object(
+          config["outer_optimizer"], custom_objects=custom_objects)
     if "exchange" not in config and config.get("reduction", "sum") == "sum":
       # Saved before `exchange` existed: adasum_mode did nothing with reduction="sum"
       # (the gradient exchange ran), so keep that rather than refuse "delta" now.
@@ -758,6 +852,12 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     # Saved before `second_moment` existed: each replica kept its own.
     config.setdefault("second_moment", "local")
     return cls(inner, **config)
+
+
+def _assigned(variable, value):
+  """Assigns ``value`` to ``variable`` (this replica's copy) and returns ``value``."""
+  with tf.control_dependencies([variable.assign(value)]):
+    return tf.identity(value)
 
 
 def _one_value_per_replica(next_creator, **kwargs):
@@ -800,11 +900,12 @@ def _resolve_exchange(reduction, adasum_mode, exchange):
 
 
 def _resolve_second_moment(second_moment, exchange, reduction, inner_optimizer,
-                           momentum_masking):
+                           momentum_masking, local_steps=1):
   """The second moment ``second_moment`` asks for (None: ``default_second_moment``), or
   ValueError where it cannot apply."""
   if second_moment is None:
-    return default_second_moment(inner_optimizer, exchange, reduction, momentum_masking)
+    return default_second_moment(inner_optimizer, exchange, reduction, momentum_masking,
+                                 local_steps)
   if second_moment not in shared_moment.SECOND_MOMENTS:
     raise ValueError(f"`second_moment` must be one of {shared_moment.SECOND_MOMENTS} or "
                      f"None. Received: second_moment={second_moment!r}")
@@ -817,12 +918,17 @@ def _resolve_second_moment(second_moment, exchange, reduction, inner_optimizer,
   if momentum_masking:
     raise ValueError(f"`second_moment={second_moment!r}` does not take "
                      "momentum_masking=True. Received: momentum_masking=True")
+  if local_steps > 1:
+    raise ValueError(f"`second_moment={second_moment!r}` shares Adam's second moment at "
+                     "every step; with local steps each replica keeps its own (DiLoCo's "
+                     "inner AdamW): pass second_moment='local' or None. Received: "
+                     f"second_moment={second_moment!r}, local_steps={local_steps!r}")
   shared_moment.check_inner(inner_optimizer, second_moment)
   return second_moment
 
 
 def default_second_moment(inner_optimizer, exchange="updates", reduction="sum",
-                          momentum_masking=False):
+                          momentum_masking=False, local_steps=1):
   """What ``second_moment=None`` means for this inner optimizer and exchange.
 
   ``DEFAULT_SECOND_MOMENT`` ("global") for an Adam or AdamW (without amsgrad,
@@ -836,11 +942,12 @@ def default_second_moment(inner_optimizer, exchange="updates", reduction="sum",
     exchange: "updates" or "gradients".
     reduction: "sum" or "adasum".
     momentum_masking: whether DGC's momentum masking is on.
+    local_steps: steps per round; with more than 1 each replica keeps its own.
 
   Returns:
     "global" or "local".
   """
-  if exchange != "updates" or reduction != "sum" or momentum_masking:
+  if exchange != "updates" or reduction != "sum" or momentum_masking or local_steps > 1:
     return "local"
   try:
     shared_moment.check_inner(inner_optimizer)
@@ -874,6 +981,20 @@ def _check_precondition(precondition, second_moment):
                      "second moment and needs second_moment='shared' or 'global'. "
                      f"Received: precondition='after', second_moment={second_moment!r}")
   return precondition
+
+
+def _check_rounds(local_steps, outer_optimizer, exchange, reduction, momentum_masking):
+  """Raises ValueError where ``local_steps`` or ``outer_optimizer`` cannot apply."""
+  if local_steps == 1 and isinstance(outer_optimizer, str):
+    return  # the update exchange as it is (or the gradient exchange)
+  received = f"local_steps={local_steps!r}, outer_optimizer={outer_optimizer!r}"
+  if exchange != "updates" or reduction != "sum":
+    raise ValueError("`local_steps` > 1 and `outer_optimizer` exchange the replicas' "
+                     "pseudo-updates and need exchange='updates' and reduction='sum'. "
+                     f"Received: {received}, exchange={exchange!r}, reduction={reduction!r}")
+  if momentum_masking and local_steps > 1:
+    raise ValueError("`momentum_masking=True` masks every step's momentum and does not "
+                     f"take local_steps > 1. Received: {received}, momentum_masking=True")
 
 
 def _check_local_clipnorm(local_clipnorm):
