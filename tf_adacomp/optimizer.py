@@ -477,10 +477,13 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       self._finish_round(variables, indices, plans, states, anchors, deltas, dense, stepped)
       return
     self._record_bytes(indices, [None] * len(indices))  # nothing sent, unless a round ends
+    # Each replica's own values go through the arguments: under MirroredStrategy the
+    # function runs for every replica from one thread, and a closure would hand every
+    # replica the first one's residues.
     self._on_every_replica_if(
         local_steps_lib.is_round_end(self.iterations, self.local_steps),
-        lambda deltas: self._finish_round(variables, indices, plans, states, anchors,
-                                          deltas, dense, stepped), deltas)
+        lambda own: self._finish_round(variables, indices, plans, own[0], own[1], own[2],
+                                       dense, stepped), (states, anchors, deltas))
 
   def _start_round(self, round_start, variables, indices):
     """The anchors of this round: set to the weights at a round's first step."""
