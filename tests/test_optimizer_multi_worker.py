@@ -13,7 +13,7 @@ from multi_worker import describe
 from multi_worker import run_workers
 
 RUNS = ("plain", "none", "adacomp", "adacomp:adasum:delta", "adam+plain",
-        "adam+adacomp+global")
+        "adam+adacomp+global", "local+adacomp+nesterov", "local+none+average")
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +96,24 @@ def test_adam_with_the_global_second_moment_over_grpc(runs):
     losses = log["history"]["loss"]
     assert losses[-1] < 0.95 * losses[0]
     assert losses[-1] < 1.1 * plain["history"]["loss"][-1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["local+adacomp+nesterov", "local+none+average"])
+def test_local_steps_over_grpc_end_each_round_with_identical_workers(runs, run):
+  # Two rounds of 5 local steps (tests/workers/compressed_fit.py): the round's exchange
+  # runs inside a tf.cond in replica context, MultiWorkerMirroredStrategy's path.
+  arrays, logs = runs[run]
+  plain_arrays, plain_logs = runs["plain"]
+  for key in _final_weights(arrays):
+    np.testing.assert_array_equal(arrays[0][key], arrays[1][key])
+    assert not np.array_equal(arrays[0][key], plain_arrays[0][key])  # not plain SGD
+  anchors = sorted(k for k in arrays[0] if k.startswith("anchor_"))
+  assert len(anchors) == len(_final_weights(arrays))
+  for anchor, key in zip(anchors, _final_weights(arrays)):  # the last round's start
+    np.testing.assert_array_equal(arrays[0][anchor], arrays[1][anchor])
+    assert not np.array_equal(arrays[0][anchor], arrays[0][key])
+  for log, plain in zip(logs, plain_logs):
+    losses = log["history"]["loss"]
+    assert losses[-1] < losses[0]
+    assert log["evaluation"]["accuracy"] > 0.8 * plain["evaluation"]["accuracy"]

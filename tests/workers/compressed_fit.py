@@ -7,7 +7,9 @@ Usage: ``compressed_fit.py RUN [RUN ...]``, each RUN one of
     "sum" or "adasum"; "gradient" or "delta");
   - ``adam+plain``: Adam (``ADAM_LEARNING_RATE``) instead of the SGD, no wrapper;
   - ``adam+COMPRESSOR+SECOND_MOMENT``: that Adam wrapped, with the update exchange and
-    ``second_moment=SECOND_MOMENT`` ("local", "shared" or "global").
+    ``second_moment=SECOND_MOMENT`` ("local", "shared" or "global");
+  - ``local+COMPRESSOR+OUTER``: the SGD wrapped with ``local_steps=LOCAL_STEPS`` and
+    ``outer_optimizer`` "average" or "nesterov" (``tf_adacomp.local_steps.diloco()``).
 
 The runs train one after the other in this process, under one strategy
 (``tf_adacomp.distribute.multi_worker_strategy()``): one cluster start-up for them all.
@@ -32,6 +34,8 @@ def run_name(run):
 
 
 ADAM_LEARNING_RATE = 0.01
+# Rounds of local steps: the 10 steps of keras_fit.py end two rounds, at each epoch's end.
+LOCAL_STEPS = 5
 
 
 def _adam_optimizer(run):
@@ -52,7 +56,17 @@ def train(strategy, run, x, y):
   keras.utils.set_random_seed(0)
   with strategy.scope():
     model = keras_fit.make_model()  # compiled with the plain SGD
-    if run.startswith("adam+"):
+    if run.startswith("local+"):
+      _, compressor, outer = run.split("+")
+      model.compile(
+          optimizer=tf_adacomp.CompressedOptimizer(
+              keras.optimizers.SGD(keras_fit.LEARNING_RATE), compressor,
+              local_steps=LOCAL_STEPS,
+              outer_optimizer=(tf_adacomp.local_steps.diloco() if outer == "nesterov"
+                               else outer)),
+          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+          metrics=["accuracy"])
+    elif run.startswith("adam+"):
       model.compile(optimizer=_adam_optimizer(run),
                     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                     metrics=["accuracy"])
@@ -84,12 +98,15 @@ def main():
                 for state in getattr(model.optimizer, "residues", ()) for r in state]
     shared = [v.value.values[0].numpy() if hasattr(v.value, "values") else v.numpy()
               for v in getattr(model.optimizer, "shared_velocities", ())]
+    anchors = [v.value.values[0].numpy() if hasattr(v.value, "values") else v.numpy()
+               for v in getattr(model.optimizer, "anchors", ())]
     out = worker_out_dir() / run_name(run)
     out.mkdir(parents=True, exist_ok=True)
     np.savez(out / f"worker{index}.npz",
              **{f"final_{i}": w for i, w in enumerate(model.get_weights())},
              **{f"residue_{i}": r for i, r in enumerate(residues)},
-             **{f"shared_velocity_{i}": v for i, v in enumerate(shared)})
+             **{f"shared_velocity_{i}": v for i, v in enumerate(shared)},
+             **{f"anchor_{i}": a for i, a in enumerate(anchors)})
     stats = (model.optimizer.compression_stats()
              if hasattr(model.optimizer, "compression_stats") else None)
     with open(out / f"worker{index}.json", "w") as f:

@@ -1,0 +1,254 @@
+"""CompressedOptimizer(local_steps=H, outer_optimizer=...): rounds of H local steps.
+
+Replayed in NumPy on replicas that see different data (tests/replica_harness.py): each
+replica's own SGD steps from the anchor, its pseudo-update compressed with TopK and
+error feedback at the round's end, the mean (or an outer Nesterov SGD) applied to the
+anchor.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_adacomp
+from replica_harness import (DEVICES, PER_REPLICA, data, fit, linear_model, np_topk,
+                             own_mean_gradients, replica_values, replica_weights, shards)
+from tf_adacomp import local_steps as local_steps_lib
+
+LR, MOMENTUM, DENSITY = 0.05, 0.9, 0.2
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
+
+
+class NumpySGD:
+  """Keras' SGD with momentum (``nesterov`` as Keras computes it) on one state."""
+
+  def __init__(self, weights, lr, momentum, nesterov=False):
+    self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
+    self.moments = [np.zeros_like(w, np.float32) for w in weights]
+
+  def step(self, weights, grads):
+    out = []
+    for v, (w, g) in enumerate(zip(weights, grads)):
+      m = self.moments[v] = (self.momentum * self.moments[v] - self.lr * g).astype(np.float32)
+      out.append((w + (self.momentum * m - self.lr * g if self.nesterov else m))
+                 .astype(np.float32))
+    return out
+
+
+def reference_rounds(start, replicas, steps, local_steps, density=None, outer=None):
+  """Weights, residues and local optimizers after ``steps`` steps in rounds of
+  ``local_steps``; ``outer`` a NumpySGD stepping the anchor (None: the mean)."""
+  anchor = [w.astype(np.float32) for w in start]
+  local = [NumpySGD(anchor, LR, MOMENTUM) for _ in range(replicas)]
+  weights = [list(anchor) for _ in range(replicas)]
+  residues = [[np.zeros_like(w) for w in anchor] for _ in range(replicas)]
+  for step in range(steps):
+    for r, (xs, ys) in enumerate(shards(replicas, step, steps)):
+      weights[r] = local[r].step(weights[r], own_mean_gradients(weights[r], xs, ys))
+    if (step + 1) % local_steps:
+      continue
+    total = [np.zeros_like(w) for w in anchor]
+    for r in range(replicas):
+      for v, (w, a) in enumerate(zip(weights[r], anchor)):
+        delta = w - a
+        if density is None:
+          total[v] += delta
+        else:
+          values, residues[r][v], _ = np_topk(residues[r][v] + delta, density)
+          total[v] += values
+    mean = [t / np.float32(replicas) for t in total]
+    anchor = ([a + m for a, m in zip(anchor, mean)] if outer is None
+              else outer.step(anchor, [-m for m in mean]))
+    weights = [list(anchor) for _ in range(replicas)]
+  return weights, anchor, residues, local
+
+
+def _sgd():
+  return keras.optimizers.SGD(LR, momentum=MOMENTUM)
+
+
+def _local_steps(local_steps, outer="average", compressor=None):
+  return lambda: tf_adacomp.CompressedOptimizer(
+      _sgd(), compressor or tf_adacomp.TopK(DENSITY), local_steps=local_steps,
+      outer_optimizer=outer() if callable(outer) else outer)
+
+
+# --- Two rounds against NumPy -------------------------------------------------------
+
+
+@pytest.mark.parametrize("outer", ["average", "nesterov"])
+def test_two_rounds_match_the_numpy_reference(outer):
+  replicas, steps, h = 2, 6, 3
+  make_outer = local_steps_lib.diloco if outer == "nesterov" else "average"
+  start, model, strategy = fit(_local_steps(h, make_outer), replicas, steps)
+  reference_outer = (NumpySGD(start, OUTER_LR, OUTER_MOMENTUM, nesterov=True)
+                     if outer == "nesterov" else None)
+  _, anchor, residues, local = reference_rounds(start, replicas, steps, h, DENSITY,
+                                                reference_outer)
+  optimizer = model.optimizer
+  for v, copies in enumerate(replica_weights(model, strategy)):
+    for copy in copies:  # every replica adopted the anchor, bit for bit
+      np.testing.assert_array_equal(copy, copies[0])
+    np.testing.assert_allclose(copies[0], anchor[v], rtol=1e-5, atol=1e-6)
+    for r, residue in enumerate(replica_values(optimizer.residues[v][0], strategy)):
+      np.testing.assert_allclose(residue, residues[r][v], rtol=1e-4, atol=1e-6)
+    for r, moment in enumerate(replica_values(optimizer.inner_optimizer.momentums[v],
+                                              strategy)):
+      np.testing.assert_allclose(moment, local[r].moments[v], rtol=1e-4, atol=1e-6)
+  if reference_outer is not None:
+    outer_moments = optimizer.outer_optimizer.momentums
+    for v, expected in enumerate(reference_outer.moments):
+      for copy in replica_values(outer_moments[v], strategy):
+        np.testing.assert_allclose(copy, expected, rtol=1e-4, atol=1e-6)
+    assert int(optimizer.outer_optimizer.iterations.numpy()) == steps // h  # one per round
+  assert int(optimizer.iterations.numpy()) == steps
+
+
+def test_mid_round_each_replica_holds_its_own_weights_and_sends_nothing():
+  replicas, steps, h = 2, 4, 3
+  start, model, strategy = fit(_local_steps(h), replicas, steps)
+  weights, anchor, _, _ = reference_rounds(start, replicas, steps, h, DENSITY)
+  for v, copies in enumerate(replica_weights(model, strategy)):
+    assert not np.array_equal(copies[0], copies[1])  # the replicas' data disagree
+    for r in range(replicas):
+      np.testing.assert_allclose(copies[r], weights[r][v], rtol=1e-5, atol=1e-6)
+    for copy in replica_values(model.optimizer.anchors[v], strategy):
+      np.testing.assert_allclose(copy, anchor[v], rtol=1e-5, atol=1e-6)
+  assert not np.any(model.optimizer.bytes_sent.numpy())  # step 4 is not a round's end
+
+
+# --- Today's exchange is H=1 ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("local_steps", [1, 3])
+def test_an_outer_sgd_of_rate_one_is_the_average_bit_for_bit(local_steps):
+  """At H=1 the "average" path is the default update exchange (the same code), so the
+  outer optimizer's path is checked against it: SGD(1.0) moves the anchor by the mean."""
+  replicas, steps = 2, 6
+  runs = []
+  for optimizer in (
+      lambda: tf_adacomp.CompressedOptimizer(_sgd(), tf_adacomp.TopK(DENSITY)),
+      _local_steps(local_steps, "average"),
+      _local_steps(local_steps, lambda: keras.optimizers.SGD(1.0))):
+    _, model, strategy = fit(optimizer, replicas, steps)
+    runs.append(replica_weights(model, strategy))
+  if local_steps == 1:  # the library's default update exchange
+    for default, average in zip(runs[0], runs[1]):
+      np.testing.assert_array_equal(default, average)
+  for average, outer in zip(runs[1], runs[2]):
+    np.testing.assert_array_equal(average, outer)
+
+
+# --- Faults -------------------------------------------------------------------------
+
+
+def test_a_non_finite_round_goes_back_to_the_anchor_everywhere():
+  replicas, h = 2, 2
+  strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES[:replicas])
+  x, y = data(replicas, 4)
+  x[2 * replicas * PER_REPLICA, 0] = np.inf  # replica 0's shard at step 3: round 2
+  with strategy.scope():
+    model = linear_model()
+    model.compile(optimizer=_local_steps(h, local_steps_lib.diloco)(), loss="mse")
+  model.fit(x[:2 * replicas * PER_REPLICA], y[:2 * replicas * PER_REPLICA],
+            batch_size=replicas * PER_REPLICA, verbose=0, shuffle=False)
+  optimizer = model.optimizer
+  after_one = replica_weights(model, strategy)
+  residues = [replica_values(s[0], strategy) for s in optimizer.residues]
+  outer_state = [replica_values(s, strategy) for s in optimizer.outer_optimizer.variables]
+  model.fit(x[2 * replicas * PER_REPLICA:], y[2 * replicas * PER_REPLICA:],
+            batch_size=replicas * PER_REPLICA, verbose=0, shuffle=False)
+  for before, copies in zip(after_one, replica_weights(model, strategy)):
+    for copy, old in zip(copies, before):
+      np.testing.assert_array_equal(copy, old)
+  for before, state in zip(residues, optimizer.residues):
+    for copy, old in zip(replica_values(state[0], strategy), before):
+      np.testing.assert_array_equal(copy, old)
+  for before, variable in zip(outer_state, optimizer.outer_optimizer.variables):
+    for copy, old in zip(replica_values(variable, strategy), before):
+      np.testing.assert_array_equal(copy, old)
+  for slot in optimizer.inner_optimizer.momentums:  # replica 0 can go on
+    for copy in replica_values(slot, strategy):
+      assert np.all(np.isfinite(copy))
+  assert int(optimizer.iterations.numpy()) == 4
+
+
+# --- State and configuration --------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_restore_on_other_replicas_keeps_anchor_outer_state_and_residue_totals(tmp_path):
+  replicas, steps, h = 2, 4, 2
+  _, model, strategy = fit(_local_steps(h, local_steps_lib.diloco), replicas, steps)
+  optimizer = model.optimizer
+  path = tf.train.Checkpoint(model=model, optimizer=optimizer).write(str(tmp_path / "ckpt"))
+  anchors = [replica_values(a, strategy)[0] for a in optimizer.anchors]
+  outer = [replica_values(x, strategy)[0] for x in optimizer.outer_optimizer.variables]
+  totals = [np.sum(replica_values(s[0], strategy), axis=0) for s in optimizer.residues]
+
+  other = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES[:4])
+  with other.scope():
+    restored = linear_model()
+    restored.compile(optimizer=_local_steps(h, local_steps_lib.diloco)(), loss="mse")
+    restored.optimizer.build(restored.trainable_variables)
+  tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).read(path).expect_partial()
+  again = restored.optimizer
+  for variable, expected in zip(again.anchors, anchors):
+    for copy in replica_values(variable, other):
+      np.testing.assert_allclose(copy, expected, rtol=1e-6)
+  for variable, expected in zip(again.outer_optimizer.variables, outer):
+    for copy in replica_values(variable, other):
+      np.testing.assert_allclose(copy, expected, rtol=1e-6)
+  for state, expected in zip(again.residues, totals):
+    np.testing.assert_allclose(np.sum(replica_values(state[0], other), axis=0), expected,
+                               rtol=1e-5, atol=1e-7)
+  assert int(again.iterations.numpy()) == steps
+
+
+def test_config_round_trip_keeps_the_rounds_and_the_outer_optimizer():
+  optimizer = tf_adacomp.CompressedOptimizer(_sgd(), "adacomp", local_steps=8,
+                                             outer_optimizer=local_steps_lib.diloco())
+  again = tf_adacomp.CompressedOptimizer.from_config(optimizer.get_config())
+  assert again.local_steps == 8
+  assert isinstance(again.outer_optimizer, keras.optimizers.SGD)
+  assert again.outer_optimizer.nesterov and float(again.outer_optimizer.momentum) == 0.9
+  assert float(again.outer_optimizer.learning_rate) == pytest.approx(0.7)
+  average = tf_adacomp.CompressedOptimizer(_sgd(), local_steps=4, outer_optimizer="average")
+  assert tf_adacomp.CompressedOptimizer.from_config(
+      average.get_config()).outer_optimizer == "average"
+  old = {k: v for k, v in optimizer.get_config().items()
+         if k not in ("local_steps", "outer_optimizer")}
+  again = tf_adacomp.CompressedOptimizer.from_config(old)  # saved before local steps
+  assert again.local_steps == 1 and again.outer_optimizer == "average"
+
+
+def test_defaults_one_step_averages_and_more_steps_take_dilocos_outer_step():
+  assert tf_adacomp.CompressedOptimizer(_sgd()).outer_optimizer == "average"
+  outer = tf_adacomp.CompressedOptimizer(_sgd(), local_steps=4).outer_optimizer
+  assert isinstance(outer, keras.optimizers.SGD) and outer.nesterov
+  adam = tf_adacomp.CompressedOptimizer(keras.optimizers.Adam(), local_steps=4)
+  assert adam.second_moment == "local"  # DiLoCo's inner Adam keeps its own
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"local_steps": 0}, r"local_steps=0"),
+    ({"local_steps": 2.5}, r"local_steps=2.5"),
+    ({"local_steps": "4"}, r"local_steps='4'"),
+    ({"outer_optimizer": "nesterov"}, r"outer_optimizer='nesterov'"),
+    ({"outer_optimizer": 0.7}, r"outer_optimizer=0.7"),
+    ({"outer_optimizer": keras.optimizers.SGD(0.7, clipnorm=1.0)},
+     r"outer_optimizer.clipnorm=1.0"),
+    ({"outer_optimizer": keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.7))},
+     r"outer_optimizer=<"),
+    ({"local_steps": 4, "exchange": "gradients"}, r"local_steps=4.*exchange='gradients'"),
+    ({"local_steps": 4, "reduction": "adasum", "exchange": "updates"},
+     r"local_steps=4.*reduction='adasum'"),
+    ({"local_steps": 4, "momentum_masking": True}, r"local_steps=4.*momentum_masking=True"),
+    ({"local_steps": 4, "second_moment": "global",
+      "inner_optimizer": keras.optimizers.Adam()}, r"second_moment='global', local_steps=4"),
+])
+def test_bad_arguments_name_themselves(kwargs, match):
+  kwargs = {"inner_optimizer": _sgd(), **kwargs}
+  with pytest.raises(ValueError, match=match):
+    tf_adacomp.CompressedOptimizer(**kwargs)
