@@ -42,6 +42,20 @@ def test_totals_are_sums_over_the_steps_and_logs_per_step():
   epoch = {}
   stats.on_epoch_end(0, epoch)
   assert epoch["bytes_sent"] == pytest.approx(37.5)  # the epoch's mean
+  assert epoch["compression_ratio"] == pytest.approx(2800 / 75)  # of the epoch's sums
+
+
+def test_an_epoch_whose_steps_sent_nothing_but_one_has_the_ratio_of_its_sums():
+  # Local steps: only a round's last step sends.
+  stats = tf_adacomp.CompressionStats(source=_Source([_step(0, 0), _step(0, 0), _step(20, 5)]))
+  stats.on_train_begin()
+  for batch in range(3):
+    stats.on_train_batch_end(batch, {})
+  epoch = {}
+  stats.on_epoch_end(0, epoch)
+  assert epoch["compression_ratio"] == pytest.approx(3 * 1400 / 25)
+  assert epoch["compression_ratio_conv"] == pytest.approx(3 * 400 / 20)
+  assert epoch["bytes_sent"] == pytest.approx(25 / 3)
 
 
 def test_totals_restart_with_each_fit_and_skip_steps_without_figures():

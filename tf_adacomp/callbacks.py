@@ -15,7 +15,9 @@ class CompressionStats(keras.callbacks.Callback):
   Adds to the batch logs (shown by Keras' progress bar) ``compression_ratio``, one
   ``compression_ratio_<kind>`` per variable kind (conv, dense, recurrent, vector) and
   ``bytes_sent`` (one replica, one step); the epoch logs (and so ``History`` and
-  Keras' own TensorBoard callback) get their means over the epoch. With ``log_dir``,
+  Keras' own TensorBoard callback) get the epoch's: its mean ``bytes_sent`` per step
+  and the ratios of its summed bytes (with ``local_steps`` only a round's last step
+  sends anything, and a step that sent nothing has no ratio of its own). With ``log_dir``,
   the per-step values are also written as TensorBoard scalars under ``compression/``.
   ``totals()`` gives the bytes and ratios of the whole training run, per kind;
   ``variable_totals()`` the same per variable (per layer weight).
@@ -80,7 +82,7 @@ class CompressionStats(keras.callbacks.Callback):
       total["sent_bytes"] += entry["sent_bytes"]
       total["steps"] += 1
     values = self._values(summary)
-    self._epoch.append(values)
+    self._epoch.append(summary)
     if logs is not None:
       logs.update(values)
     if self._writer is not None:
@@ -91,8 +93,13 @@ class CompressionStats(keras.callbacks.Callback):
 
   def on_epoch_end(self, epoch, logs=None):
     if logs is not None and self._epoch:
-      for name in self._epoch[0]:
-        logs[name] = sum(v[name] for v in self._epoch) / len(self._epoch)
+      sums = {kind: {"dense_bytes": sum(s[kind]["dense_bytes"] for s in self._epoch),
+                     "sent_bytes": sum(s[kind]["sent_bytes"] for s in self._epoch)}
+              for kind in self._epoch[0]}
+      for entry in sums.values():
+        entry["ratio"] = stats.ratio(entry["dense_bytes"], entry["sent_bytes"])
+      logs.update(self._values(sums))
+      logs["bytes_sent"] = sums["total"]["sent_bytes"] / len(self._epoch)
 
   def on_train_end(self, logs=None):
     if self._writer is not None:

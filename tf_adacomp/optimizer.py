@@ -325,8 +325,10 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
                                         aggregation="only_first_replica", name="bytes_sent")
     # The first step compiles the kernels (tens of seconds): say so, and how long it took.
     first = int(self.iterations.numpy()) if tf.executing_eagerly() else 0
+    # With local steps the kernels first run (and XLA compiles them) at a round's end.
+    first_exchange = (first // self.local_steps + 1) * self.local_steps
     self._compile_log = compile_log.FirstCompile(
-        "CompressedOptimizer", lambda: int(self.iterations.numpy()) > first)
+        "CompressedOptimizer", lambda: int(self.iterations.numpy()) >= first_exchange)
     self._compile_log.start()
     if self.second_moment in ("shared", "global"):
       # The second moment every replica divides by (equal on all; a checkpoint stores
@@ -476,7 +478,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     if self.local_steps == 1:
       self._finish_round(variables, indices, plans, states, anchors, deltas, dense, stepped)
       return
-    self._record_bytes(indices, [None] * len(indices))  # nothing sent, unless a round ends
+    self._record_bytes(indices, [None] * len(indices), traced=False)  # unless a round ends
     # Each replica's own values go through the arguments: under MirroredStrategy the
     # function runs for every replica from one thread, and a closure would hand every
     # replica the first one's residues.
@@ -740,13 +742,13 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     tf.__internal__.distribute.interim.maybe_merge_call(
         assign, self._distribution_strategy, values)
 
-  def _record_bytes(self, indices, nbytes):
+  def _record_bytes(self, indices, nbytes, traced=True):
     values = tf.tensor_scatter_nd_update(
         tf.zeros([len(self.plans)], tf.int64), [[i] for i in indices],
         [tf.zeros([], tf.int64) if b is None else tf.cast(b, tf.int64) for b in nbytes])
     self.bytes_sent.assign(values)
-    # Called once per step, after the exchange created its kernels.
-    self._compile_log.traced()
+    if traced:  # once per step, after the exchange created its kernels
+      self._compile_log.traced()
 
   def _apply_inner(self, grads, trainable_variables):
     """The inner optimizer's step on ``grads``: summed (or Adasum-combined) over the
