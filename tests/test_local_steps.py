@@ -206,6 +206,26 @@ def test_a_restore_on_other_replicas_keeps_anchor_outer_state_and_residue_totals
   assert int(again.iterations.numpy()) == steps
 
 
+@pytest.mark.slow
+def test_model_save_keeps_anchor_outer_state_and_round_position(tmp_path):
+  x, y = data(1, 3)
+  model = linear_model()
+  model.compile(optimizer=_local_steps(2, local_steps_lib.diloco)(), loss="mse")
+  model.fit(x, y, batch_size=PER_REPLICA, verbose=0, shuffle=False)  # a round and a half
+  model.save(tmp_path / "model.keras")
+  loaded = keras.models.load_model(tmp_path / "model.keras")
+  optimizer, again = model.optimizer, loaded.optimizer
+  assert (again.local_steps, int(again.iterations.numpy())) == (2, 3)
+  assert isinstance(again.outer_optimizer, keras.optimizers.SGD)
+  for a, b in zip(optimizer.anchors, again.anchors):
+    np.testing.assert_array_equal(a.numpy(), b.numpy())
+  for a, b in zip(optimizer.outer_optimizer.variables, again.outer_optimizer.variables):
+    np.testing.assert_array_equal(a.numpy(), b.numpy())
+  assert any(np.any(v.numpy()) for v in again.outer_optimizer.momentums)
+  for a, b in zip(model.get_weights(), loaded.get_weights()):  # mid-round: local weights
+    np.testing.assert_array_equal(a, b)
+
+
 def test_config_round_trip_keeps_the_rounds_and_the_outer_optimizer():
   optimizer = tf_adacomp.CompressedOptimizer(_sgd(), "adacomp", local_steps=8,
                                              outer_optimizer=local_steps_lib.diloco())
