@@ -472,20 +472,27 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       anchors = self._start_round(round_start, variables, indices)
       with tf.control_dependencies(anchors):
         self._apply_inner(own, variables)
-    # Automatic control dependencies order these reads after the local step.
-    deltas = [None if g is None else tf.convert_to_tensor(v) - a
-              for g, v, a in zip(grads, variables, anchors)]
+    present = [g is not None for g in grads]
+
+    def pseudo_updates(anchors):
+      # Automatic control dependencies order these reads after the local step.
+      return [tf.convert_to_tensor(v) - a if p else None
+              for p, v, a in zip(present, variables, anchors)]
+
     if self.local_steps == 1:
-      self._finish_round(variables, indices, plans, states, anchors, deltas, dense, stepped)
+      self._finish_round(variables, indices, plans, states, anchors,
+                         pseudo_updates(anchors), dense, stepped)
       return
     self._record_bytes(indices, [None] * len(indices), traced=False)  # unless a round ends
     # Each replica's own values go through the arguments: under MirroredStrategy the
     # function runs for every replica from one thread, and a closure would hand every
-    # replica the first one's residues.
+    # replica the first one's residues. The pseudo-updates are computed in the round's
+    # last step only (a pass over the weights).
     self._on_every_replica_if(
         local_steps_lib.is_round_end(self.iterations, self.local_steps),
-        lambda own: self._finish_round(variables, indices, plans, own[0], own[1], own[2],
-                                       dense, stepped), (states, anchors, deltas))
+        lambda own: self._finish_round(variables, indices, plans, own[0], own[1],
+                                       pseudo_updates(own[1]), dense, stepped),
+        (states, anchors))
 
   def _start_round(self, round_start, variables, indices):
     """The anchors of this round: set to the weights at a round's first step."""
