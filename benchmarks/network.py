@@ -1,29 +1,77 @@
-"""AdaComp on a bandwidth-limited link: MultiWorkerMirroredStrategy across namespaces.
+"""Training over slow links, to the limit: time and bytes to a target accuracy.
 
 Each worker process runs in its own Linux network namespace; the namespaces are joined
 by a bridge whose ports are limited with ``tc ... tbf`` to --rates
-(benchmarks/netns.py), so the workers' gRPC collectives cross a 100 Mbit/s (or 1
-Gbit/s) link as they would between machines. For each model (a wide MLP
-784-2048-2048-10 of 5.8M parameters, communication-heavy; ResNet-20, 0.27M,
-compute-heavy) and each compressor, the workers train Fashion-MNIST
-(benchmarks/network_worker.py) and report step time, bytes per step and test accuracy
-every --eval_every steps. Also measured, with the same processes' layout but no
-exchange at all: the compute-only step (the floor). Reports per link: the step time,
-the speed-up over the dense all-reduce, the ratio to the floor, and the time to
---target_accuracy.
+(benchmarks/netns.py), so the workers' gRPC collectives cross a 10 Mbit/s, 100 Mbit/s
+or 1 Gbit/s link as they would between machines. For each model (a wide MLP
+784-2048-2048-10 of 5.8M parameters, communication-heavy; the Fashion-MNIST CNN of
+examples/fashion_mnist.py, 0.42M; ResNet-20, 0.27M, compute-heavy) and each variant of
+--compressors, the workers train Fashion-MNIST (benchmarks/network_worker.py) until
+the model's target accuracy, recording every step's time and bytes sent and the test
+accuracy every --eval_every steps.
 
-    sudo python benchmarks/network.py                  # every model, link, compressor
-    sudo python benchmarks/network.py --models mlp --rates 100mbit --compressors none,adacomp
+Variants: a compressor name (none: the dense float32 all-reduce; bf16; adacomp, the
+library's default) with optional suffixes: ``+gradients`` or ``+updates`` pick
+CompressedOptimizer's exchange; ``+H8`` runs rounds of 8 local steps whose
+pseudo-updates are compressed, exchanged and averaged (local_steps=8,
+outer_optimizer="average"); ``+H8+nesterov`` steps them with DiLoCo's outer Nesterov
+SGD instead. With local steps the workers evaluate (and stop) only at round ends.
+
+The floor: the same model and per-worker batch trained by the same Keras program
+(jit_compile=False) in one process with no exchange at all, --workers such processes at
+once (so that they share the host's cores as the cluster's workers do); its time to
+the target comes from its own evaluations.
+
+Reports per model, link and variant: the time to the target (seconds of training,
+evaluations not counted), its ratio to the floor's, the speed-up in time to target
+over dense float32 and over bf16 on the same link, and the bytes each worker sent
+until the target (the exact sum of its per-step bytes up to the step that reached
+it; with local steps only round ends send anything) and how many times fewer that is
+than dense float32's. Seconds of training count one-off steps as typical ones: step 1
+(tracing) and, with local steps, the first round end (the compressor's XLA
+compilation) are counted at the median of their kind (``step_times``). Step times
+(``mean_step_seconds``, ``ratio_to_compute_only``, ``speed_up_over_dense``) are means
+over every step so counted: with local steps the median is a step that sends nothing,
+and would hide the round ends' exchange.
+
+Slow links make dense runs very long (the MLP's 23 MB per step take ~20 s at 10
+Mbit/s), so each run stops after --max_run_seconds of training (at the next round
+end; not a failure). A run that stopped so before its target gets an ESTIMATE, marked
+``"estimated": true`` in the JSON, ``~`` in the table and hatched in the plot:
+
+    steps to target = the same variant's, measured on the fastest link where it
+                      reached the target in this invocation (the link changes how
+                      long a step takes, not what it computes: same seeds, same data;
+                      still, two runs of one variant can differ by an evaluation or
+                      two: runs are not bit for bit deterministic, e.g. the input
+                      pipeline's random flips run in parallel)
+    time to target  = those steps x this run's mean step time (the mean, not the
+                      median, for the reason above)
+    bytes to target = those steps x this run's mean bytes per step
+
+A ratio with an estimate on either side is marked ``~`` as well
+(``ratios_from_estimates`` names the estimated rows it used). Nothing estimated is
+reported as measured, and a run gets no estimate when the variant reached the target
+on no link, when the run ran all its steps, or when it had already passed the
+borrowed step count without reaching the target.
+
+    sudo python benchmarks/network.py                  # mlp and cnn, 3 links, 6 variants
+    sudo python benchmarks/network.py --models mlp --rates 100mbit \\
+        --compressors none,adacomp,adacomp+H8
 
 Needs root (``ip netns``). Every namespace it made is deleted at the end, on error and
-on SIGINT/SIGTERM; each training run is killed after --run_timeout seconds; the workers
-can reach only each other's namespaces. Writes out/network.json and out/network.png.
+on SIGINT/SIGTERM; a run still going --run_timeout seconds after it started is killed
+(a failure); the workers can reach only each other's namespaces. Writes
+out/network.json and out/network.png.
 """
 
 import argparse
+import collections
 import json
 import os
 import platform
+import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -36,12 +84,43 @@ import report  # benchmarks/report.py, beside this script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PORT = 2222
-TARGETS = {"speed_up_at_100mbit": 5.0, "ratio_to_compute_only": 1.2}
-# Per model: steps, accuracy to reach (0: none) and learning rate of a run.
+# The issue's targets (2 workers, MLP and CNN to 80%): (field of a row, link or None for
+# every link, "<=" or ">=", bound). network.py prints which variants meet them.
+TARGET_CHECKS = {
+    "time_to_target_within_floor_at_100mbit":
+        ("ratio_to_floor_time_to_target", "100mbit", "<=", 1.3),
+    "time_to_target_speed_up_over_dense_at_10mbit":
+        ("speed_up_to_target_over_dense", "10mbit", ">=", 50.0),
+    "time_to_target_speed_up_over_bf16_at_10mbit":
+        ("speed_up_to_target_over_bf16", "10mbit", ">=", 25.0),
+    "bytes_to_target_fewer_than_dense": ("bytes_to_target_fewer_than_dense", None, ">=",
+                                         2000.0),
+}
+TARGETS = {name: check[3] for name, check in TARGET_CHECKS.items()}
+# Per model: steps, accuracy to reach (0: none) and learning rate of a run. The steps
+# are multiples of 32, so that the last step ends a round of H = 8 or 32 local steps,
+# and leave room past the steps to 0.80 measured on 1 Gbit/s (the floors: 130 to 150;
+# MLP variants: 64 to 128; CNN variants: 130 to 288, adacomp+H32+nesterov the most).
 MODEL_SETTINGS = {
-    "mlp": {"max_steps": 300, "target_accuracy": 0.80, "learning_rate": 0.05},
+    "mlp": {"max_steps": 320, "target_accuracy": 0.80, "learning_rate": 0.05},
+    "cnn": {"max_steps": 640, "target_accuracy": 0.80, "learning_rate": 0.05},
     "resnet20": {"max_steps": 30, "target_accuracy": 0.0, "learning_rate": 0.1},
 }
+DENSE, BF16 = "none", "bf16"  # the variants the speed-ups are measured against
+# The rows, besides a row itself, that each ratio of a row reads: the ratio is an
+# estimate when one of them is.
+RATIO_INPUTS = {"ratio_to_floor_time_to_target": (),  # the floor is never estimated
+                "speed_up_to_target_over_dense": (DENSE,),
+                "speed_up_to_target_over_bf16": (BF16,),
+                "bytes_to_target_fewer_than_dense": (DENSE,)}
+
+# A variant of --compressors, parsed: exchange is None (the library's), "gradients" or
+# "updates"; local_steps None (1) or H; outer_optimizer None, "average" or "nesterov".
+Variant = collections.namedtuple("Variant",
+                                 "compressor exchange local_steps outer_optimizer")
+VARIANT_SYNTAX = ("a compressor's suffixes are +gradients or +updates (the exchange), "
+                  "+H<steps> (local steps, an integer >= 1) and +nesterov (with +H: "
+                  "DiLoCo's outer Nesterov SGD), each at most once")
 
 
 def _read_json(path):
@@ -91,34 +170,68 @@ def target_accuracy(args, model):
 
 
 def split_variant(variant):
-  """``"adacomp+updates"`` -> ``("adacomp", "updates")``; ``"adacomp"`` -> ``("adacomp", None)``.
+  """A variant of --compressors as a ``Variant``.
 
-  The suffix picks ``CompressedOptimizer``'s exchange (None: the library's default), so
-  that one run can time the old default (``+gradients``) beside the new (``+updates``).
+  ``"adacomp"`` -> ``Variant("adacomp", None, None, None)``; ``"adacomp+updates"`` ->
+  ``Variant("adacomp", "updates", None, None)``; ``"adacomp+H8"`` -> ``Variant(
+  "adacomp", None, 8, "average")``; ``"adacomp+H8+nesterov"`` -> ``Variant("adacomp",
+  None, 8, "nesterov")``. The first two fields are what the old ``(compressor,
+  exchange)`` pair was. The exchange suffix lets one invocation time the old default
+  (``+gradients``) beside the new (``+updates``); ``+H`` says "average" explicitly
+  because the library's own default outer optimizer with local steps is DiLoCo's.
+
+  Raises:
+    ValueError: an unknown or repeated suffix, H < 1, +nesterov without +H, or +H with
+      +gradients (rounds exchange pseudo-updates), naming ``compressor`` and the value.
   """
-  compressor, _, exchange = variant.partition("+")
-  if exchange not in ("", "gradients", "updates"):
-    raise ValueError("a compressor's suffix is +gradients or +updates. "
-                     f"Received: compressor={variant!r}")
-  return compressor, exchange or None
+  compressor, *suffixes = variant.split("+")
+  exchange = local_steps = outer = None
+  error = ValueError(f"{VARIANT_SYNTAX}. Received: compressor={variant!r}")
+  if not compressor or len(set(suffixes)) != len(suffixes):
+    raise error
+  for suffix in suffixes:
+    steps = re.fullmatch(r"H([0-9]+)", suffix)
+    if suffix in ("gradients", "updates") and exchange is None:
+      exchange = suffix
+    elif steps and local_steps is None and int(steps.group(1)) >= 1:
+      local_steps = int(steps.group(1))
+    elif suffix == "nesterov":
+      outer = "nesterov"
+    else:
+      raise error
+  if local_steps is None and outer:
+    raise ValueError(f"+nesterov is the outer optimizer of rounds of local steps: give "
+                     f"+H<steps> too (e.g. adacomp+H8+nesterov). Received: "
+                     f"compressor={variant!r}")
+  if local_steps is not None and exchange == "gradients":
+    raise ValueError(f"+H (local steps) exchanges pseudo-updates, not gradients: drop "
+                     f"+gradients. Received: compressor={variant!r}")
+  if local_steps is not None:
+    outer = outer or "average"
+  return Variant(compressor, exchange, local_steps, outer)
 
 
 def worker_argv(args, model, variant, out, alone=False, topk_density=None):
   """The command line of one network_worker.py process."""
   settings = MODEL_SETTINGS[model]
-  compressor, exchange = split_variant(variant)
+  parsed = split_variant(variant)
   argv = [sys.executable, os.path.join(HERE, "network_worker.py"), f"--model={model}",
-          f"--compressor={compressor}", f"--batch_size={args.batch_size}",
+          f"--compressor={parsed.compressor}", f"--batch_size={args.batch_size}",
           f"--width={args.width}", f"--learning_rate={settings['learning_rate']}",
           f"--max_steps={args.max_steps or settings['max_steps']}",
           f"--target_accuracy={target_accuracy(args, model)}",
           f"--eval_every={args.eval_every}", f"--threads={args.threads}", f"--out={out}"]
-  if exchange:
-    argv.append(f"--optimizer_exchange={exchange}")
+  if parsed.exchange:
+    argv.append(f"--optimizer_exchange={parsed.exchange}")
+  if parsed.local_steps:
+    argv += [f"--local_steps={parsed.local_steps}",
+             f"--outer_optimizer={parsed.outer_optimizer}"]
   if topk_density:
     argv.append(f"--topk_density={topk_density:.6g}")
   if alone:
     argv.append("--alone")
+  elif args.max_run_seconds:  # the floor is short: it runs to its target
+    argv.append(f"--max_run_seconds={args.max_run_seconds}")
   if args.synthetic:
     argv.append("--synthetic")
   return argv
@@ -135,13 +248,16 @@ def worker_env(tf_config=None):
 def compute_only(args, model, work):
   """The floor: ``--workers`` processes at once, each training alone (no exchange)."""
   outs = [os.path.join(work, f"{model}_alone_{i}.json") for i in range(args.workers)]
-  codes = run_workers([(worker_argv(args, model, "none", out, alone=True), worker_env())
+  codes = run_workers([(worker_argv(args, model, DENSE, out, alone=True), worker_env())
                        for out in outs], args.run_timeout)
   if any(codes):
     raise RuntimeError(f"compute-only run of {model} failed: return codes {codes}")
   runs = [_read_json(out) for out in outs]
-  return {"median_step_seconds": statistics.mean(r["median_step_seconds"] for r in runs),
-          "evaluations": runs[0]["evaluations"], "step_seconds": runs[0]["step_seconds"]}
+  floor = {"median_step_seconds": statistics.mean(r["median_step_seconds"] for r in runs),
+           "evaluations": runs[0]["evaluations"], "step_seconds": runs[0]["step_seconds"]}
+  floor["time_to_target_seconds"] = time_to_accuracy(floor, target_accuracy(args, model))
+  floor["steps_to_target"] = steps_to_accuracy(floor, target_accuracy(args, model))
+  return floor
 
 
 def cluster_run(args, net, model, compressor, work, topk_density=None):
@@ -165,108 +281,368 @@ def cluster_run(args, net, model, compressor, work, topk_density=None):
   return run
 
 
-def time_to_accuracy(run, target):
-  """Seconds of training (evaluations not counted) until test accuracy >= target.
+# --- Time and bytes to the target ----------------------------------------------------
 
-  The first step (XLA compilation, a one-off cost) is counted at the median step.
-  None when the target was not reached.
-  """
+
+def steps_to_accuracy(run, target):
+  """The step of the first evaluation with test accuracy >= target (None: not reached)."""
   if not target:
     return None
   for evaluation in run["evaluations"]:
     if evaluation["accuracy"] >= target:
-      times = run["step_seconds"][:evaluation["step"]]
-      return run["median_step_seconds"] + sum(times[1:])
+      return evaluation["step"]
   return None
 
 
-def summarize(model, rate, run, dense, floor, target):
+def step_times(run):
+  """The run's step times in seconds, its one-off steps counted as typical ones.
+
+  Step 1 traces the training function and, with local steps, the first round end (step
+  H) compiles the compressor's XLA programs: one-off costs that a longer run would not
+  pay again. Step 1 is counted at the median of the steps inside a round (every step
+  after the first when H is 1: the worker's median), step H at the median of the later
+  round ends; a run with one round end keeps it as measured (its compilation included).
+  """
+  times = list(run["step_seconds"])
+  local_steps = run.get("local_steps") or 1
+  if local_steps == 1:
+    times[0] = run["median_step_seconds"]
+    return times
+  inside = [t for step, t in enumerate(times[1:], 2) if step % local_steps]
+  later_ends = [t for step, t in enumerate(times, 1)
+                if step % local_steps == 0 and step != local_steps]
+  if inside:
+    times[0] = statistics.median(inside)
+  if later_ends:
+    times[local_steps - 1] = statistics.median(later_ends)
+  return times
+
+
+def time_to_accuracy(run, target):
+  """Seconds of training (evaluations not counted) until test accuracy >= target, the
+  one-off steps counted as typical ones (``step_times``). None when not reached."""
+  steps = steps_to_accuracy(run, target)
+  if steps is None:
+    return None
+  return sum(step_times(run)[:steps])
+
+
+def bytes_to_accuracy(run, target):
+  """Bytes one worker sent until test accuracy >= target: its per-step bytes summed up
+  to that step, exact (with local steps only round ends count). None: not reached."""
+  steps = steps_to_accuracy(run, target)
+  if steps is None:
+    return None
+  return sum(run["step_bytes_sent"][:steps])
+
+
+def mean_step_seconds(run):
+  """The mean of ``step_times``: what a step costs on average, round ends included (the
+  median of a run with local steps is a step that sends nothing)."""
+  return statistics.mean(step_times(run))
+
+
+def to_target(run, target, borrowed_steps=None):
+  """Steps, seconds and bytes to the target: measured when the run reached it.
+
+  A run stopped by --max_run_seconds before ``borrowed_steps`` (the same variant's steps
+  to the target on the fastest link that reached it) is estimated: those steps at this
+  run's mean step time and mean bytes per step, ``estimated`` True. Anything else that
+  did not reach the target (it ran all its steps, or got past the borrowed count
+  without reaching the target) has None: it is no evidence of a time to target.
+  """
+  steps = steps_to_accuracy(run, target)
+  if steps is not None:
+    return {"steps_to_target": steps, "time_to_target_seconds": time_to_accuracy(run, target),
+            "bytes_to_target": bytes_to_accuracy(run, target), "estimated": False}
+  if (borrowed_steps and run.get("stopped") == "max_run_seconds"
+      and len(run["step_seconds"]) < borrowed_steps):
+    return {"steps_to_target": borrowed_steps,
+            "time_to_target_seconds": borrowed_steps * mean_step_seconds(run),
+            "bytes_to_target": borrowed_steps * run["bytes_sent_per_step"],
+            "estimated": True}
+  return {"steps_to_target": None, "time_to_target_seconds": None, "bytes_to_target": None,
+          "estimated": False}
+
+
+def borrowed_steps(model, rates, variant, runs, target):
+  """``(rate, steps)``: the variant's steps to the target on the fastest of ``rates``
+  where it reached it (measured), or None."""
+  for rate in sorted(rates, key=netns.rate_bits, reverse=True):
+    run = runs.get((model, rate, variant))
+    steps = steps_to_accuracy(run, target) if run and not run.get("failed") else None
+    if steps is not None:
+      return rate, steps
+  return None
+
+
+def _ratio(numerator, denominator):
+  return numerator / denominator if numerator and denominator else None
+
+
+def run_row(model, rate, run, floor, target, borrowed=None):
+  """The row of one run, without the ratios to other rows (``summarize`` adds them)."""
   if run.get("failed"):
     return {"model": model, "rate": rate, "compressor": run["compressor"], "failed": True}
   last = run["evaluations"][-1] if run["evaluations"] else {}
-  return {"model": model, "rate": rate, "compressor": run["compressor"],
-          "median_step_seconds": run["median_step_seconds"],
-          "speed_up_over_dense": (dense["median_step_seconds"] / run["median_step_seconds"]
-                                  if dense and not dense.get("failed") else None),
-          "ratio_to_compute_only": run["median_step_seconds"] / floor["median_step_seconds"],
-          "bytes_sent_per_step": run["bytes_sent_per_step"],
-          "compression_ratio": run["dense_bytes_per_step"] / run["bytes_sent_per_step"],
-          "steps": len(run["step_seconds"]), "final_accuracy": last.get("accuracy"),
-          "target_accuracy": target or None,
-          "time_to_accuracy_seconds": time_to_accuracy(run, target),
-          "topk_density": run.get("topk_density")}
+  row = {"model": model, "rate": rate, "compressor": run["compressor"],
+         "median_step_seconds": run["median_step_seconds"],
+         "mean_step_seconds": mean_step_seconds(run),
+         "ratio_to_compute_only": mean_step_seconds(run) / mean_step_seconds(floor),
+         "bytes_sent_per_step": run["bytes_sent_per_step"],
+         "compression_ratio": _ratio(run["dense_bytes_per_step"],
+                                     run["bytes_sent_per_step"]),
+         "steps": len(run["step_seconds"]), "stopped": run.get("stopped"),
+         "final_accuracy": last.get("accuracy"), "target_accuracy": target or None,
+         "floor_time_to_target_seconds": floor.get("time_to_target_seconds"),
+         "topk_density": run.get("topk_density")}
+  row.update(to_target(run, target, borrowed[1] if borrowed else None))
+  if row["estimated"]:
+    row["steps_to_target_from"] = borrowed[0]  # the link whose run gave the steps
+  return row
+
+
+def summarize(model, rates, variants, runs, floor, target):
+  """The rows of one model (every link and variant run): time and bytes to the target,
+  measured or estimated, and their ratios to the floor, dense and bf16 on the same link.
+
+  ``ratios_from_estimates`` names the rows (this one, dense, bf16) whose estimates
+  entered a ratio of this row.
+  """
+  rows = {}
+  for rate in rates:
+    for variant in variants:
+      run = runs.get((model, rate, variant))
+      if run is not None:  # (topk is skipped when AdaComp failed)
+        rows[rate, variant] = run_row(model, rate, run, floor, target,
+                                      borrowed_steps(model, rates, variant, runs, target))
+  for (rate, variant), row in rows.items():
+    if row.get("failed"):
+      continue
+    dense, bf16 = rows.get((rate, DENSE), {}), rows.get((rate, BF16), {})
+    seconds, nbytes = row["time_to_target_seconds"], row["bytes_to_target"]
+    # Over a dense run that failed, the per-step speed-up is unknown (None).
+    row["speed_up_over_dense"] = _ratio(dense.get("mean_step_seconds"),
+                                        row["mean_step_seconds"])
+    row["ratio_to_floor_time_to_target"] = _ratio(seconds,
+                                                  floor.get("time_to_target_seconds"))
+    row["speed_up_to_target_over_dense"] = _ratio(dense.get("time_to_target_seconds"),
+                                                  seconds)
+    row["speed_up_to_target_over_bf16"] = _ratio(bf16.get("time_to_target_seconds"), seconds)
+    row["bytes_to_target_fewer_than_dense"] = _ratio(dense.get("bytes_to_target"), nbytes)
+    row["ratios_from_estimates"] = sorted({r["compressor"] for r in (row, dense, bf16)
+                                           if r.get("estimated")})
+  return list(rows.values())
+
+
+# --- Output ---------------------------------------------------------------------------
+
+
+def _fmt(value, spec, estimated=False, suffix=""):
+  """``value`` formatted, ``~`` before an estimate, ``-`` for None."""
+  if value is None:
+    return "-"
+  return ("~" if estimated else "") + format(value, spec) + suffix
+
+
+def _bytes(value, estimated=False):
+  if value is None:
+    return "-"
+  for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    if value >= scale:
+      return _fmt(value / scale, ".3g", estimated, f" {unit}")
+  return _fmt(value, ".0f", estimated, " B")
+
+
+def ratio_is_estimated(row, field):
+  """Whether ratio ``field`` of ``row`` has an estimate on either side."""
+  used = row.get("ratios_from_estimates", [])
+  return row.get("estimated", False) or any(r in used for r in RATIO_INPUTS[field])
 
 
 def print_rows(rows):
-  print(f"\n{'model':<9}{'link':>8}{'compressor':>18}{'ms/step':>10}{'speed-up':>10}"
-        f"{'/floor':>8}{'bytes/step':>13}{'steps':>7}{'accuracy':>10}{'to target s':>13}")
+  print(f"\n{'model':<9}{'link':>8}{'variant':>21}{'ms/step':>9}{'steps':>6}{'acc':>7}"
+        f"{'to tgt':>7}{'to target s':>12}{'/floor':>8}{'x dense':>9}{'x bf16':>8}"
+        f"{'bytes to tgt':>14}{'/ dense':>9}")
   for r in rows:
     if r.get("failed"):
-      print(f"{r['model']:<9}{r['rate']:>8}{r['compressor']:>18}   FAILED")
+      print(f"{r['model']:<9}{r['rate']:>8}{r['compressor']:>21}   FAILED")
       continue
-    speed = f"{r['speed_up_over_dense']:.2f}x" if r["speed_up_over_dense"] else "-"
-    tta = r["time_to_accuracy_seconds"]
-    print(f"{r['model']:<9}{r['rate']:>8}{r['compressor']:>18}"
-          f"{1e3 * r['median_step_seconds']:>10.1f}{speed:>10}"
-          f"{r['ratio_to_compute_only']:>7.2f}x{r['bytes_sent_per_step']:>13,.0f}"
-          f"{r['steps']:>7}{r['final_accuracy'] or 0:>10.4f}"
-          f"{(f'{tta:.1f}' if tta is not None else '-'):>13}")
+    est = r["estimated"]
+
+    def ratio(field, spec, r=r):
+      return _fmt(r.get(field), spec, ratio_is_estimated(r, field), "x")
+
+    print(f"{r['model']:<9}{r['rate']:>8}{r['compressor']:>21}"
+          f"{1e3 * r['mean_step_seconds']:>9.1f}{r['steps']:>6}"
+          f"{r['final_accuracy'] or 0:>7.3f}{_fmt(r['steps_to_target'], 'd', est):>7}"
+          f"{_fmt(r['time_to_target_seconds'], '.1f', est):>12}"
+          f"{ratio('ratio_to_floor_time_to_target', '.2f'):>8}"
+          f"{ratio('speed_up_to_target_over_dense', '.3g'):>9}"
+          f"{ratio('speed_up_to_target_over_bf16', '.3g'):>8}"
+          f"{_bytes(r['bytes_to_target'], est):>14}"
+          f"{ratio('bytes_to_target_fewer_than_dense', '.4g'):>9}")
+  print("ms/step: mean over every step, one-off steps counted as typical; ~: an estimate "
+        "(the run stopped at --max_run_seconds; see network.py's docstring)")
+
+
+def print_targets(rows):
+  """For each of the issue's targets, the rows that meet it (~: estimates involved)."""
+  reference = {DENSE, BF16}
+  for model in sorted({r["model"] for r in rows}):
+    print(f"\ntargets, {model}:")
+    for name, (field, rate, op, bound) in TARGET_CHECKS.items():
+      met = []
+      for r in rows:
+        value = r.get(field)
+        if (r["model"] != model or value is None or r["compressor"] in reference
+            or (rate and r["rate"] != rate)):
+          continue
+        if (value <= bound) if op == "<=" else (value >= bound):
+          mark = "~" if ratio_is_estimated(r, field) else ""
+          met.append(f"{r['compressor']}@{r['rate']} {mark}{value:.3g}")
+      print(f"  {name} ({op} {bound:g}): {', '.join(met) if met else 'none'}")
 
 
 def plot(rows, runs, floors, path):
-  """Step time per link and compressor (floor dashed); accuracy against training time."""
+  """Per model: time to target per link and variant (log scale, estimates hatched, the
+  floor's dashed); accuracy against training seconds (the floor's in black)."""
   plt = report.pyplot()
+  from matplotlib.patches import Patch  # pylint: disable=g-import-not-at-top
 
   models = sorted({r["model"] for r in rows})
-  fig, axes = plt.subplots(1, len(models) + 1, figsize=(5 * (len(models) + 1), 4))
-  for ax, model in zip(axes, models):
+  variants = list(dict.fromkeys(r["compressor"] for r in rows))
+  colors = {v: plt.get_cmap("tab10")(i % 10) for i, v in enumerate(variants)}
+  styles = ["-", "--", ":", "-."]
+  fig, axes = plt.subplots(2, len(models), figsize=(7 * len(models), 9), squeeze=False)
+  for column, model in enumerate(models):
     mine = [r for r in rows if r["model"] == model and not r.get("failed")]
-    labels = [f"{r['rate']}\n{r['compressor']}" for r in mine]
-    ax.bar(range(len(mine)), [1e3 * r["median_step_seconds"] for r in mine])
-    ax.axhline(1e3 * floors[model]["median_step_seconds"], color="k", linestyle="--",
-               label="compute only")
-    ax.set_xticks(range(len(mine)))
-    ax.set_xticklabels(labels, fontsize=7)
+    rates = list(dict.fromkeys(r["rate"] for r in mine))
+    width = 0.8 / max(1, len(variants))
+    ax = axes[0][column]
+    for i, rate in enumerate(rates):
+      for j, variant in enumerate(variants):
+        row = next((r for r in mine if r["rate"] == rate and r["compressor"] == variant),
+                   None)
+        if not row or row["time_to_target_seconds"] is None:
+          continue
+        ax.bar(i + (j - (len(variants) - 1) / 2) * width, row["time_to_target_seconds"],
+               width, color=colors[variant], alpha=0.45 if row["estimated"] else 1.0,
+               hatch="//" if row["estimated"] else None)
+    floor = floors[model].get("time_to_target_seconds")
+    if floor:
+      ax.axhline(floor, color="k", linestyle="--")
+    ax.set_xticks(range(len(rates)))
+    ax.set_xticklabels(rates)
     ax.set_yscale("log")
-    ax.set_ylabel("ms per step")
-    ax.set_title(f"{model}: step time")
-    ax.legend()
-  ax = axes[-1]
-  for (model, rate, compressor), run in runs.items():
-    if model != models[0] or run.get("failed") or not run["evaluations"]:
-      continue
-    median = run["median_step_seconds"]
-    seconds = [median + sum(run["step_seconds"][1:e["step"]]) for e in run["evaluations"]]
-    ax.plot(seconds, [e["accuracy"] for e in run["evaluations"]],
-            label=f"{rate} {compressor}")
-  ax.set_xscale("log")
-  ax.set_xlabel("training seconds")
-  ax.set_ylabel("test accuracy")
-  ax.set_title(f"{models[0]}: accuracy against time")
-  ax.legend(fontsize=7)
+    ax.set_ylabel("seconds of training to the target")
+    target = next((r["target_accuracy"] for r in mine if r["target_accuracy"]), None)
+    ax.set_title(f"{model}: time to {target} test accuracy" if target else model)
+    handles = [Patch(color=colors[v], label=v) for v in variants]
+    handles += [Patch(facecolor="white", edgecolor="k", hatch="//",
+                      label="~ estimated (stopped early)"),
+                plt.Line2D([], [], color="k", linestyle="--", label="compute-only floor")]
+    ax.legend(handles=handles, fontsize=7)
+
+    ax = axes[1][column]
+    for (run_model, rate, variant), run in runs.items():
+      if run_model != model or run.get("failed") or not run["evaluations"]:
+        continue
+      ax.plot(_eval_seconds(run), [e["accuracy"] for e in run["evaluations"]],
+              color=colors.get(variant, "grey"),
+              linestyle=styles[rates.index(rate) % len(styles)] if rate in rates else "-",
+              marker=".", label=f"{rate} {variant}")  # (a run stopped early: one point)
+    if floors[model]["evaluations"]:
+      ax.plot(_eval_seconds(floors[model]), [e["accuracy"] for e in floors[model]["evaluations"]],
+              color="k", marker=".", label="compute-only floor")
+    if target:
+      ax.axhline(target, color="grey", linestyle=":")
+    ax.set_xscale("log")
+    ax.set_xlabel("seconds of training (evaluations not counted)")
+    ax.set_ylabel("test accuracy")
+    ax.set_title(f"{model}: accuracy against training time (line style: link)")
+    ax.legend(fontsize=6, ncol=2)
   report.save_figure(fig, path)
+
+
+def _eval_seconds(run):
+  """Training seconds at each evaluation, counted as ``time_to_accuracy`` does."""
+  times = step_times(run)
+  return [sum(times[:e["step"]]) for e in run["evaluations"]]
+
+
+def measure(args, models, rates, compressors, work):
+  """Every model's floor, then every link and variant: ``(rows, runs, floors, links)``."""
+  rows, runs, floors, links = [], {}, {}, {}
+  for model in models:
+    target = target_accuracy(args, model)
+    floors[model] = compute_only(args, model, work)
+    floor = floors[model]
+    print(f"{model}: compute-only step {1e3 * floor['median_step_seconds']:.1f} ms, "
+          f"to target {_fmt(floor['time_to_target_seconds'], '.1f', suffix=' s')} "
+          f"({floor['steps_to_target'] or '-'} steps)", flush=True)
+    for rate in rates:
+      with netns.LimitedNetwork(args.workers, rate) as net:
+        links[rate] = net.throughput(0, 1)
+        print(f"{model} {rate}: measured link {links[rate] / 1e6:.0f} Mbit/s", flush=True)
+        for compressor in compressors:
+          density = None
+          if compressor == "topk":
+            adacomp = runs.get((model, rate, "adacomp"), {})
+            if adacomp.get("failed") or not adacomp:
+              print(f"{model} {rate}: topk skipped (it runs at AdaComp's density, and "
+                    "the AdaComp run failed)", flush=True)
+              continue
+            density = (report.adacomp_elements_sent(adacomp["variables"])
+                       / adacomp["parameters"])
+          run = cluster_run(args, net, model, compressor, work, density)
+          runs[(model, rate, compressor)] = run
+          if run.get("failed"):
+            print(f"{model} {rate} {compressor}: FAILED ({run['return_codes']})", flush=True)
+          else:
+            print(f"{model} {rate} {compressor}: {len(run['step_seconds'])} steps, "
+                  f"{1e3 * mean_step_seconds(run):.1f} ms/step, accuracy "
+                  f"{run['evaluations'][-1]['accuracy'] if run['evaluations'] else '-'}, "
+                  f"stopped: {run.get('stopped')}, to target "
+                  f"{_fmt(time_to_accuracy(run, target), '.1f', suffix=' s')}", flush=True)
+    # Estimates need the fastest link's steps to the target: rows come after every link.
+    rows += summarize(model, rates, compressors, runs, floor, target)
+  return rows, runs, floors, links
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--models", default="mlp,resnet20")
-  parser.add_argument("--rates", default="100mbit,1gbit", help="tc rates, comma-separated")
-  parser.add_argument("--compressors", default="none,bf16,adacomp,topk,fft,fp16",
-                      help="topk runs at AdaComp's measured density (adacomp before it); "
-                      "a suffix +gradients or +updates picks CompressedOptimizer's exchange "
-                      "(e.g. adacomp+gradients,adacomp+updates)")
+  parser.add_argument("--models", default="mlp,cnn",
+                      help=f"comma-separated, from {','.join(MODEL_SETTINGS)}")
+  parser.add_argument("--rates", default="10mbit,100mbit,1gbit",
+                      help="tc rates, comma-separated")
+  parser.add_argument("--compressors",
+                      default="none,bf16,adacomp,adacomp+H8,adacomp+H32,adacomp+H8+nesterov",
+                      help="variants, comma-separated: topk runs at AdaComp's measured "
+                      "density (adacomp before it); a suffix +gradients or +updates picks "
+                      "CompressedOptimizer's exchange, +H8 rounds of 8 local steps "
+                      "(averaged), +H8+nesterov with DiLoCo's outer Nesterov SGD")
   parser.add_argument("--workers", type=int, default=2)
   parser.add_argument("--batch_size", type=int, default=64, help="per worker")
   parser.add_argument("--width", type=int, default=2048, help="the MLP's hidden width")
   parser.add_argument("--max_steps", type=int, default=None,
-                      help="per run (default: mlp 300, resnet20 30)")
+                      help="per run (default: mlp 320, cnn 640, resnet20 30)")
   parser.add_argument("--target_accuracy", type=float, default=None,
-                      help="test accuracy to time (default: mlp 0.80, resnet20 none)")
-  parser.add_argument("--eval_every", type=int, default=10)
+                      help="test accuracy to time (default: mlp and cnn 0.80, resnet20 "
+                      "none)")
+  parser.add_argument("--eval_every", type=int, default=10,
+                      help="steps between evaluations (with +H: rounded up to a multiple "
+                      "of H)")
   parser.add_argument("--threads", type=int, default=None,
                       help="TensorFlow threads per worker (default: cores / workers)")
-  parser.add_argument("--run_timeout", type=float, default=900, help="seconds per run")
+  parser.add_argument("--max_run_seconds", type=float, default=600,
+                      help="seconds of training after which a run stops (at its next "
+                      "round end; not a failure: its time to target is estimated, see "
+                      "above); 0: no limit")
+  parser.add_argument("--run_timeout", type=float, default=1200,
+                      help="seconds after which a run is killed (a failure); more than "
+                      "--max_run_seconds: start-up, evaluations and the last round")
   parser.add_argument("--synthetic", action="store_true", help="random data (smoke runs)")
   parser.add_argument("--json", default="out/network.json")
   parser.add_argument("--plot", default="out/network.png", help="'' for none")
@@ -293,44 +669,36 @@ def main(argv=None):
       parser.error(str(error))
   if args.workers < 2:
     parser.error(f"--workers must be >= 2. Received: workers={args.workers}")
+  if args.eval_every < 1:
+    parser.error(f"--eval_every must be >= 1. Received: eval_every={args.eval_every}")
+  if args.max_steps is not None and args.max_steps < 1:
+    parser.error(f"--max_steps must be >= 1. Received: max_steps={args.max_steps}")
+  if args.max_run_seconds < 0:
+    parser.error(f"--max_run_seconds must be >= 0 (0: no limit). "
+                 f"Received: max_run_seconds={args.max_run_seconds}")
+  if args.max_run_seconds and args.run_timeout <= args.max_run_seconds:
+    parser.error("--run_timeout kills a run (a failure) and must exceed --max_run_seconds, "
+                 f"which stops one. Received: run_timeout={args.run_timeout}, "
+                 f"max_run_seconds={args.max_run_seconds}")
   args.threads = args.threads or max(1, (os.cpu_count() or 2) // args.workers)
   if not netns.available():
     sys.exit("network.py needs root and iproute2 (`ip netns`, `tc`) to build its "
              "namespaces; run it with sudo.")
 
+  # The workers' JSON files: worker 0's go into --json; the folder goes at the end.
   work = tempfile.mkdtemp(prefix="tf_adacomp_network_")
-  rows, runs, floors, links = [], {}, {}, {}
-  for model in models:
-    target = target_accuracy(args, model)
-    floors[model] = compute_only(args, model, work)
-    print(f"{model}: compute-only step {1e3 * floors[model]['median_step_seconds']:.1f} ms",
-          flush=True)
-    for rate in rates:
-      with netns.LimitedNetwork(args.workers, rate) as net:
-        links[rate] = net.throughput(0, 1)
-        print(f"{model} {rate}: measured link {links[rate] / 1e6:.0f} Mbit/s", flush=True)
-        for compressor in compressors:
-          density = None
-          if compressor == "topk":
-            adacomp = runs.get((model, rate, "adacomp"), {})
-            if adacomp.get("failed") or not adacomp:
-              print(f"{model} {rate}: topk skipped (it runs at AdaComp's density, and "
-                    "the AdaComp run failed)", flush=True)
-              continue
-            density = (report.adacomp_elements_sent(adacomp["variables"])
-                       / adacomp["parameters"])
-          run = cluster_run(args, net, model, compressor, work, density)
-          runs[(model, rate, compressor)] = run
-          dense = runs.get((model, rate, "none"))
-          rows.append(summarize(model, rate, run, dense, floors[model], target))
-          print_rows(rows[-1:])
+  try:
+    rows, runs, floors, links = measure(args, models, rates, compressors, work)
+  finally:
+    shutil.rmtree(work, ignore_errors=True)
   print_rows(rows)
+  print_targets(rows)
   report.write_json(args.json, {
       "benchmark": "network", "workers": args.workers, "threads_per_worker": args.threads,
       "batch_size_per_worker": args.batch_size, "machine": platform.platform(),
       "cpus": os.cpu_count(), "measured_link_bits_per_second": links,
-      "targets": TARGETS, "compute_only": floors, "rows": rows,
-      "runs": {"/".join(key): run for key, run in runs.items()}})
+      "max_run_seconds": args.max_run_seconds, "targets": TARGETS, "compute_only": floors,
+      "rows": rows, "runs": {"/".join(key): run for key, run in runs.items()}})
   if args.plot:
     plot(rows, runs, floors, args.plot)
 

@@ -65,16 +65,27 @@ def test_step_time_ratios_to_the_dense_step(tmp_path):
 @pytest.mark.skipif(not netns.available(), reason="needs root and iproute2 (ip netns, tc)")
 def test_network_runs_workers_across_limited_namespaces_and_cleans_up(tmp_path):
   out = _ok(_run("network.py", "--models=mlp", "--rates=100mbit",
-                 "--compressors=none,adacomp+gradients", "--width=64", "--max_steps=4",
-                 "--eval_every=2", "--target_accuracy=0.01", "--synthetic",
+                 "--compressors=none,adacomp+gradients,adacomp+H2", "--width=64",
+                 "--max_steps=4", "--eval_every=2", "--target_accuracy=0.01", "--synthetic",
                  f"--json={tmp_path / 'n.json'}", f"--plot={tmp_path / 'n.png'}"))
-  assert "measured link" in out
+  assert "measured link" in out and "targets, mlp:" in out
   result = json.loads((tmp_path / "n.json").read_text())
   assert 50e6 < result["measured_link_bits_per_second"]["100mbit"] < 130e6
-  dense, adacomp = result["rows"]
+  dense, adacomp, local = result["rows"]
   assert dense["speed_up_over_dense"] == 1.0 and dense["compression_ratio"] == 1.0
   assert adacomp["compressor"] == "adacomp+gradients"  # the exchange it was told to use
-  assert adacomp["compression_ratio"] > 5 and adacomp["time_to_accuracy_seconds"] > 0
+  assert adacomp["compression_ratio"] > 5 and adacomp["time_to_target_seconds"] > 0
+  assert not adacomp["estimated"] and adacomp["bytes_to_target"] > 0
+  # Dense float32 sends 4 bytes per parameter every step.
+  dense_run = result["runs"]["mlp/100mbit/none"]
+  assert dense["bytes_to_target"] == 4 * dense_run["parameters"] * dense["steps_to_target"]
+  # Rounds of 2 local steps: only round ends send, and only they are evaluated.
+  run = result["runs"]["mlp/100mbit/adacomp+H2"]
+  assert run["local_steps"] == 2 and run["outer_optimizer"] == "average"
+  sent = [b > 0 for b in run["step_bytes_sent"]]
+  assert sent == [False, True] * (len(sent) // 2)
+  assert all(e["step"] % 2 == 0 for e in run["evaluations"])
+  assert local["bytes_to_target"] == sum(run["step_bytes_sent"][:local["steps_to_target"]])
   assert result["compute_only"]["mlp"]["median_step_seconds"] > 0
   assert (tmp_path / "n.png").stat().st_size > 0
   leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
@@ -90,6 +101,10 @@ def test_network_runs_workers_across_limited_namespaces_and_cleans_up(tmp_path):
     ("network.py", ["--rates=fast"], "rate='fast'"),
     ("network.py", ["--workers=1"], "workers=1"),
     ("network.py", ["--compressors=adacomp+fast"], "compressor='adacomp+fast'"),
+    ("network.py", ["--compressors=none,adacomp+H0"], "compressor='adacomp+H0'"),
+    ("network.py", ["--compressors=adacomp+Hx"], "compressor='adacomp+Hx'"),
+    ("network.py", ["--compressors=adacomp+nesterov"], "compressor='adacomp+nesterov'"),
+    ("network.py", ["--max_run_seconds=100", "--run_timeout=50"], "run_timeout=50.0"),
 ])
 def test_bad_arguments_are_named(script, flags, named):
   """The script stops at its argument checks, before it imports TensorFlow: a fraction
