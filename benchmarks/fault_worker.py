@@ -12,12 +12,20 @@ Under ``MultiWorkerMirroredStrategy`` (``TF_CONFIG`` set) or, with ``--replicas 
   alive (TensorFlow's heartbeats go on): only the collective timeout can end the
   others' wait.
 
+``--local_steps H`` (with ``--outer_optimizer average|nesterov``; nesterov is
+``tf_adacomp.local_steps.diloco()``) runs rounds of H local steps: between round ends
+each worker holds its own weights, and a backup taken mid-round stores the chief's.
+
 Writes ``worker{index}.json`` to ``--out_dir``: the step it resumed at, the residue
 totals it restored and those of every backup saved (summed over all replicas: what a
 checkpoint stores), a digest of its weights after restoring and at the end, test
 accuracy, the residue norm and resident memory over time, whether its replicas stayed
 bit-identical, and on failure the error and when it was raised (``time.time()``; a
-killed worker records when it killed itself).
+killed worker records when it killed itself). With ``--local_steps`` > 1 also the steps
+at which rounds ended (the steps that sent bytes), and digests of the anchors and of
+the outer optimizer's variables: as each backup file holds them (read back from the
+file just written), the anchors as this worker held them when saving, and both as it
+holds them after restoring.
 """
 
 import argparse
@@ -28,6 +36,23 @@ import signal
 import sys
 import time
 import types
+
+
+OUTER_OPTIMIZERS = ("average", "nesterov")
+
+
+def positive_int(name):
+  """An argparse type: an int >= 1, or an error naming ``--name`` and the value."""
+  def parse_value(text):
+    try:
+      value = int(text)
+    except ValueError:
+      value = 0
+    if value < 1:
+      raise argparse.ArgumentTypeError(f"--{name} must be an integer >= 1. Received: "
+                                       f"--{name}={text!r}")
+    return value
+  return parse_value
 
 
 def parse(argv=None):
@@ -52,6 +77,11 @@ def parse(argv=None):
   parser.add_argument("--stall_seconds", type=float, default=120.0)
   parser.add_argument("--collective_timeout", type=float, default=None,
                       help="seconds; multi_worker_strategy(collective_timeout=...)")
+  parser.add_argument("--local_steps", type=positive_int("local_steps"), default=1,
+                      help="steps per round (CompressedOptimizer(local_steps=...))")
+  parser.add_argument("--outer_optimizer", default="average", choices=OUTER_OPTIMIZERS,
+                      help="the round's outer step: the mean, or DiLoCo's Nesterov SGD "
+                           "(tf_adacomp.local_steps.diloco())")
   parser.add_argument("--record_every", type=int, default=0,
                       help="steps between residue-norm and memory records (0: none)")
   parser.add_argument("--out_dir", required=True)
@@ -97,6 +127,23 @@ def digest(arrays):
   return h.hexdigest()[:16]
 
 
+def local_copies(variable):
+  """This worker's copies of ``variable``, one per local replica (no collective: a
+  cross-replica read of an on-read variable would reduce over every worker)."""
+  value = variable.value if hasattr(variable, "value") else variable
+  if hasattr(value, "values"):
+    return [c.numpy() for c in value.values]
+  return [value.numpy()]
+
+
+def stored_digest(path, indices):
+  """Digest of the optimizer variables ``indices`` (positions in ``optimizer.variables``)
+  as the Keras weights file ``path`` stores them (``optimizer/vars/<i>``)."""
+  import h5py  # pylint: disable=g-import-not-at-top
+  with h5py.File(path, "r") as f:
+    return digest([f[f"optimizer/vars/{i}"][()] for i in indices])
+
+
 def rss_mib():
   with open("/proc/self/statm") as f:
     return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -123,7 +170,7 @@ def main(argv=None):
         collective_timeout=args.collective_timeout)
     index = strategy.cluster_resolver.task_id
   record = {"worker": index, "replicas": strategy.num_replicas_in_sync, "saves": [],
-            "records": [], "pid": os.getpid()}
+            "records": [], "round_ends": [], "pid": os.getpid()}
   out = os.path.join(args.out_dir, f"worker{index}.json")
 
   def write():
@@ -140,10 +187,27 @@ def main(argv=None):
   x, y, x_test, y_test = load(args.data)
   with strategy.scope():
     model = build(args.model, x.shape[1:])
+    outer = (tf_adacomp.local_steps.diloco() if args.outer_optimizer == "nesterov"
+             else "average")
     model.compile(optimizer=tf_adacomp.CompressedOptimizer(
-        keras.optimizers.SGD(args.learning_rate, momentum=0.9), "adacomp"),
+        keras.optimizers.SGD(args.learning_rate, momentum=0.9), "adacomp",
+        local_steps=args.local_steps, outer_optimizer=outer),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
   optimizer = model.optimizer
+  rounds = args.local_steps > 1
+
+  def state_indices():
+    """Positions in ``optimizer.variables`` (the order a weights file stores them in) of
+    the anchors and of the outer optimizer's variables (none with one local step)."""
+    variables = optimizer.variables
+    find = lambda wanted: [i for i, v in enumerate(variables) if any(v is w for w in wanted)]
+    outer_variables = [] if outer == "average" else optimizer.outer_optimizer.variables
+    return find(getattr(optimizer, "anchors", [])), find(outer_variables)
+
+  def held_digest(indices):
+    """Digest of those variables as this worker holds them (its first replica's copy)."""
+    variables = optimizer.variables
+    return digest([local_copies(variables[i])[0] for i in indices])
 
   def residue_totals():
     # A cross-replica read of a residue is the sum over all replicas (a collective under
@@ -168,10 +232,19 @@ def main(argv=None):
       with open(path, "r+b") as f:  # a write cut off half way
         f.truncate(size // 2)
       die(step=int(optimizer.iterations.numpy()), during_save=saves["count"])
+    weights = digest(model.get_weights())  # this worker's own: mid-round, its local ones
     real_save_weights(path, overwrite=overwrite)
-    record["saves"].append({"step": int(optimizer.iterations.numpy()),
-                            "residue_sums": [float(t.sum()) for t in totals],
-                            "residue_digest": digest([t.astype(np.float32) for t in totals])})
+    save = {"step": int(optimizer.iterations.numpy()),
+            "residue_sums": [float(t.sum()) for t in totals],
+            "residue_digest": digest([t.astype(np.float32) for t in totals]),
+            "weights_digest": weights}
+    if rounds:  # what the file holds, read back from it: the backup a resume reads
+      anchors, outer_state = state_indices()
+      save.update(anchor_digest=stored_digest(path, anchors),
+                  outer_digest=stored_digest(path, outer_state),
+                  # The anchor every replica holds: the file should hold it bit for bit.
+                  anchor_held_digest=held_digest(anchors))
+    record["saves"].append(save)
 
   model.save_weights = save_weights
 
@@ -187,10 +260,16 @@ def main(argv=None):
                     restored_residue_sums=[float(t.sum()) for t in totals],
                     restored_residue_digest=digest([t.astype(np.float32) for t in totals]),
                     started=time.time())
+      if rounds:
+        anchors, outer_state = state_indices()
+        record.update(restored_anchor_digest=held_digest(anchors),
+                      restored_outer_digest=held_digest(outer_state))
       write()
 
     def on_train_batch_end(self, batch, logs=None):
       step = int(optimizer.iterations.numpy())
+      if rounds and int(np.sum(optimizer.bytes_sent.numpy())) > 0:
+        record["round_ends"].append(step)  # only a round's end sends anything
       if step == args.kill_at_step and index == args.kill_worker:
         die(step=step)
       if step == args.stall_at_step and index == args.kill_worker:

@@ -1,7 +1,7 @@
 """benchmarks/faults.py with real worker processes: a worker killed mid-epoch, the job
-resumed from tf_adacomp.BackupAndRestore, and workers that find different backups
-refused (the other scenarios and the soak run in the benchmark itself;
-docs/reliability.md has their figures)."""
+resumed from tf_adacomp.BackupAndRestore, workers that find different backups refused,
+and local steps (rounds of 4) killed and resumed mid-round (the other scenarios and the
+soak run in the benchmark itself; docs/reliability.md has their figures)."""
 
 import json
 import os
@@ -79,3 +79,52 @@ def test_workers_that_restore_different_steps_stop_naming_the_backup_dir(tmp_pat
     assert record["error"] == "ValueError", record
     assert "found different backups: 1 of 2 found one" in record["message"], record
     assert f"Received: backup_dir='{tmp_path / f'backup-{index}'}'" in record["message"]
+
+
+@pytest.fixture(scope="module")
+def local_steps_row(tmp_path_factory):
+  """The local_steps scenario (rounds of 4, DiLoCo's outer step) with its uninterrupted
+  run, on the mid_epoch scenario's jobs: ``(row, baselines)``."""
+  json_path = tmp_path_factory.mktemp("faults") / "local_steps.json"
+  result = subprocess.run(
+      [sys.executable, os.path.join(benchmark_scripts.BENCHMARKS_DIR, "faults.py"),
+       "--scenarios", "local_steps", *JOB, "--collective_timeout", "60", "--timeout", "240",
+       "--json", str(json_path)],
+      capture_output=True, text=True, env=ENV, timeout=800, check=False)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  figures = json.loads(json_path.read_text())
+  row, = figures["scenarios"]
+  return row, figures["baselines"]
+
+
+@pytest.mark.slow
+def test_local_steps_killed_mid_round_resume_the_round_from_a_mid_round_backup(
+    local_steps_row):
+  row, baselines = local_steps_row
+  assert row["local_steps"] == 4 and row["outer_optimizer"] == "nesterov", row
+  # Backups every 3 steps: the one at step 6 falls inside the round of steps 5-8, and
+  # worker 1 dies at step 7, inside it too (the first mid-round step after it).
+  assert row["planned_backup"] == 6 and row["killed_at_step"] == 7, row
+  assert row["backup_mid_round"] and row["kill_mid_round"], row
+  assert row["victim_returncode"] == -9 and row["survivors_failed"], row
+  # iterations resumes at the backup's step, with the residue totals, the anchors and
+  # the outer Nesterov state that backup holds and the chief's weights at that backup.
+  assert row["resumed_at"] == [6] and row["expected_resume"] == 6, row
+  assert row["residues_restored"] and row["restored_weights_identical"], row
+  assert row["anchors_saved_exactly"] and row["anchors_restored"], row
+  assert row["outer_state_restored"] and row["restored_chief_weights"], row
+  # Rounds end at the multiples of 4 before the kill, after the resume (epoch 2 again:
+  # steps 7-12) and in the uninterrupted run, whose round ends are recorded too.
+  assert row["killed_round_ends"] == [4], row
+  assert row["resumed_round_ends"] == [8, 12], row
+  assert row["uninterrupted_round_ends"] == [4, 8, 12], row
+  assert row["rounds_aligned"], row
+  # The job ends at a round's end (step 12), where every worker adopts the same anchor.
+  assert row["steps"] == 12 and row["final_round_complete"], row
+  assert row["final_weights_identical"], row
+  baseline, = baselines
+  assert baseline["local_steps"] == 4 and baseline["returncode"] == 0, baselines
+  # Both runs learned (10 classes: chance is 0.1); the resumed one trained epoch 2 on
+  # other batches, from the chief's weights alone, so the figures differ.
+  assert row["accuracy"] > 0.4 and row["uninterrupted_accuracy"] > 0.4, row
+  assert row["rounds_ok"] and row["ok"], row
