@@ -179,7 +179,8 @@ def test_a_non_finite_round_goes_back_to_the_anchor_everywhere():
 
 @pytest.mark.slow
 def test_a_restore_on_other_replicas_keeps_anchor_outer_state_and_residue_totals(tmp_path):
-  replicas, steps, h = 2, 4, 2
+  # Saved from 3 replicas: a mean of 3 equal float32 copies is not always the value.
+  replicas, steps, h = 3, 4, 2
   _, model, strategy = fit(_local_steps(h, local_steps_lib.diloco), replicas, steps)
   optimizer = model.optimizer
   path = tf.train.Checkpoint(model=model, optimizer=optimizer).write(str(tmp_path / "ckpt"))
@@ -187,19 +188,19 @@ def test_a_restore_on_other_replicas_keeps_anchor_outer_state_and_residue_totals
   outer = [replica_values(x, strategy)[0] for x in optimizer.outer_optimizer.variables]
   totals = [np.sum(replica_values(s[0], strategy), axis=0) for s in optimizer.residues]
 
-  other = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES[:4])
+  other = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES[:2])
   with other.scope():
     restored = linear_model()
     restored.compile(optimizer=_local_steps(h, local_steps_lib.diloco)(), loss="mse")
     restored.optimizer.build(restored.trainable_variables)
   tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).read(path).expect_partial()
   again = restored.optimizer
-  for variable, expected in zip(again.anchors, anchors):
+  for variable, expected in zip(again.anchors, anchors):  # bit for bit
     for copy in replica_values(variable, other):
-      np.testing.assert_allclose(copy, expected, rtol=1e-6)
+      np.testing.assert_array_equal(copy, expected)
   for variable, expected in zip(again.outer_optimizer.variables, outer):
     for copy in replica_values(variable, other):
-      np.testing.assert_allclose(copy, expected, rtol=1e-6)
+      np.testing.assert_array_equal(copy, expected)
   for state, expected in zip(again.residues, totals):
     np.testing.assert_allclose(np.sum(replica_values(state[0], other), axis=0), expected,
                                rtol=1e-5, atol=1e-7)

@@ -333,7 +333,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     if self.second_moment in ("shared", "global"):
       # The second moment every replica divides by (equal on all; a checkpoint stores
       # it) and, for "global", each replica's moment of its squared first moment.
-      self.shared_velocities = self._add_moment_variables(var_list, "shared_velocity")
+      self.shared_velocities = self._add_moment_variables(var_list, "shared_velocity",
+                                                          aggregation="only_first_replica")
       # The step the shared moment was last computed at (0: never), for its bias
       # correction; the same on every replica.
       self.moment_synced_at = self.add_variable(
@@ -342,7 +343,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
         self.momentum_squares = self._add_moment_variables(var_list, "momentum_square")
     if self.local_steps > 1:
       # The weights every replica held when the round began (equal on all).
-      self.anchors = self._add_moment_variables(var_list, "anchor")
+      self.anchors = self._add_moment_variables(var_list, "anchor",
+                                                aggregation="only_first_replica")
     if not isinstance(self.outer_optimizer, str):
       # Its state is the same on every replica (it steps the anchor, which is), and it
       # is handed pseudo-gradients that are means already: no all-reduce of its own.
@@ -366,13 +368,15 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     finally:
       self._reading_own_settings = False
 
-  def _add_moment_variables(self, var_list, suffix):
+  def _add_moment_variables(self, var_list, suffix, aggregation="mean"):
     """One float variable per variable of ``var_list``, a value per replica, stored as
-    the replicas' mean (``_add_replica_variable``)."""
+    the replicas' mean (``_add_replica_variable``); with ``"only_first_replica"``, for a
+    value equal on every replica, as the first replica's (a mean of equal float32
+    copies is not always the value itself)."""
     return [self._add_replica_variable(
         v, tf.TensorSpec(v.shape, v.dtype),
         _variable_path(v).replace("/", "_").replace(":", "_") + "_" + suffix,
-        aggregation="mean") for v in var_list]
+        aggregation=aggregation) for v in var_list]
 
   def _add_replica_variable(self, reference, spec, name, aggregation=None):
     """A variable with one value per replica (each replica's residue is its own).
@@ -384,8 +388,10 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     state (the FFT compressor's step counter) is the same on every replica: a checkpoint
     stores the first replica's and a restore gives it to every replica (summed, a restore
     with fewer replicas would move the theta schedule forward;
-    tests/test_optimizer_restore.py). ``aggregation="mean"`` is for a value equal on
-    every replica (the shared second moment).
+    tests/test_optimizer_restore.py). ``aggregation="mean"`` is for a value of each
+    replica's own whose mean is what counts (Adam's moment of m^2), and
+    ``"only_first_replica"`` for a float equal on every replica (an anchor, the shared
+    second moment).
     """
     # A plain tf.Variable (which Keras' optimizers accept too) is its own tf.Variable.
     colocate_with = reference.value if isinstance(reference, keras.Variable) else reference
