@@ -244,10 +244,10 @@ def test_config_round_trip_keeps_the_rounds_and_the_outer_optimizer():
   assert again.local_steps == 1 and again.outer_optimizer == "average"
 
 
-def test_defaults_one_step_averages_and_more_steps_take_dilocos_outer_step():
-  assert tf_adacomp.CompressedOptimizer(_sgd()).outer_optimizer == "average"
-  outer = tf_adacomp.CompressedOptimizer(_sgd(), local_steps=4).outer_optimizer
-  assert isinstance(outer, keras.optimizers.SGD) and outer.nesterov
+def test_defaults_every_step_and_the_average():
+  optimizer = tf_adacomp.CompressedOptimizer(_sgd())
+  assert (optimizer.local_steps, optimizer.outer_optimizer) == (1, "average")
+  assert tf_adacomp.CompressedOptimizer(_sgd(), local_steps=4).outer_optimizer == "average"
   adam = tf_adacomp.CompressedOptimizer(keras.optimizers.Adam(), local_steps=4)
   assert adam.second_moment == "local"  # DiLoCo's inner Adam keeps its own
 

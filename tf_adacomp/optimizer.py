@@ -263,7 +263,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     compressor = registry.get_compressor(compressor)
     _check_momentum_masking(momentum_masking, exchange, inner_optimizer, compressor)
     local_steps = local_steps_lib.check_local_steps(local_steps)
-    outer_optimizer = local_steps_lib.resolve_outer_optimizer(outer_optimizer, local_steps)
+    outer_optimizer = local_steps_lib.resolve_outer_optimizer(outer_optimizer)
     _check_rounds(local_steps, outer_optimizer, exchange, reduction, momentum_masking)
     second_moment = _resolve_second_moment(second_moment, exchange, reduction,
                                            inner_optimizer, momentum_masking, local_steps)
