@@ -19,6 +19,7 @@ import os
 import sys
 import time
 
+HEARTBEAT_S = 300
 MODELS = ("mlp", "cnn", "resnet20")
 OUTER_OPTIMIZERS = ("average", "nesterov")  # flags_and_config's; a copy: parsed before TF loads
 
@@ -101,7 +102,9 @@ def main(argv=None):
   if args.alone:
     strategy, workers, index = tf.distribute.get_strategy(), 1, 0
   else:
-    strategy = tf_adacomp.distribute.multi_worker_strategy()
+    # At 10 Mbit/s one weight's initial broadcast (16 MB) holds the workers' connection
+    # longer than TensorFlow's 10 s heartbeat timeout, which then declares them dead.
+    strategy = tf_adacomp.distribute.multi_worker_strategy(heartbeat_timeout=HEARTBEAT_S)
     workers = strategy.num_replicas_in_sync
     index = strategy.cluster_resolver.task_id
   # The MLP and the CNN train on the Fashion-MNIST example's data and settings; the CNN

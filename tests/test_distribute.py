@@ -252,6 +252,13 @@ def test_multi_worker_strategy_bad_collective_timeout(monkeypatch, timeout):
     distribute.multi_worker_strategy(collective_timeout=timeout)
 
 
+@pytest.mark.parametrize("timeout", [0, 0.5, float("inf"), float("nan"), "30", True])
+def test_multi_worker_strategy_bad_heartbeat_timeout(monkeypatch, timeout):
+  monkeypatch.delenv("TF_CONFIG", raising=False)
+  with pytest.raises(ValueError, match=r"Received: heartbeat_timeout="):
+    distribute.multi_worker_strategy(heartbeat_timeout=timeout)
+
+
 def _worker_with_one_worker_more():
   """A worker of test_workers_whose_clusters_differ_fail_fast: worker 1's TF_CONFIG lists
   a third worker (at $EXTRA_WORKER, where nothing runs), worker 0's the two there are."""

@@ -51,6 +51,8 @@ def test_no_compression_trains_like_the_plain_optimizer(runs):
     np.testing.assert_allclose(arrays[0][key], plain_arrays[0][key], rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(arrays[0][key], arrays[1][key])
   assert logs[0]["replicas"] == 2
+  # multi_worker_strategy(heartbeat_timeout=45) reached TensorFlow's coordination service.
+  assert [log["heartbeat_timeout_ms"] for log in logs] == [45_000, 45_000]
   assert logs[0]["stats"]["total"]["ratio"] == pytest.approx(1.0)
 
 

@@ -183,7 +183,8 @@ _CLUSTER_TEXT_BYTES = 2048
 
 
 def multi_worker_strategy(num_workers: Optional[int] = None,
-                          collective_timeout: Optional[float] = None
+                          collective_timeout: Optional[float] = None,
+                          heartbeat_timeout: Optional[float] = None
                           ) -> tf.distribute.MultiWorkerMirroredStrategy:
   """A ``MultiWorkerMirroredStrategy`` (gRPC, cluster from ``TF_CONFIG``), Keras-ready.
 
@@ -208,6 +209,12 @@ def multi_worker_strategy(num_workers: Optional[int] = None,
   ``DeadlineExceededError`` instead of waiting forever. It must exceed the longest
   legitimate wait, the first step's XLA compilation on the slowest worker included.
 
+  On a slow link the heartbeats share the workers' connection with the collectives: a
+  transfer that holds it longer than the heartbeat timeout (10 s by default: 12 MB at
+  10 Mbit/s, as the initial broadcast of a large weight) makes the service declare a
+  healthy worker dead ("DEADLINE_EXCEEDED ... CoordinationService/Heartbeat").
+  ``heartbeat_timeout`` raises it; a worker that dies is then noticed that much later.
+
   Args:
     num_workers: the number of workers (``chief`` and ``worker`` tasks) the cluster
       must have, or None to accept any. Without ``TF_CONFIG`` the strategy has one
@@ -215,6 +222,8 @@ def multi_worker_strategy(num_workers: Optional[int] = None,
     collective_timeout: None (TensorFlow's default: no limit) or seconds > 0, the
       longest any collective of the strategy may wait for its peers
       (``tf.distribute.experimental.CommunicationOptions(timeout_seconds=...)``).
+    heartbeat_timeout: None (TensorFlow's default, 10 s) or seconds >= 1 after which
+      the coordination service declares a silent worker dead.
 
   Returns:
     ``tf.distribute.MultiWorkerMirroredStrategy()``.
@@ -222,7 +231,8 @@ def multi_worker_strategy(num_workers: Optional[int] = None,
   Raises:
     TypeError: ``num_workers`` not an int.
     ValueError: ``num_workers`` < 1 or not the cluster's number of workers;
-      ``collective_timeout`` not None or a finite number > 0;
+      ``collective_timeout`` not None or a finite number > 0; ``heartbeat_timeout``
+      not None or a finite number >= 1;
       ``TF_CONFIG`` malformed (not JSON, not an object, a bad "cluster" or "task");
       another worker's ``TF_CONFIG`` lists another cluster, or the workers could not
       compare their clusters (TensorFlow's error chained).
@@ -231,6 +241,9 @@ def multi_worker_strategy(num_workers: Optional[int] = None,
     num_workers = checks.typed_int(num_workers, "num_workers", 1)
   collective_timeout = checks.positive_number(collective_timeout, "collective_timeout",
                                               optional=True)
+  if heartbeat_timeout is not None:
+    heartbeat_timeout = checks.number_in_range(heartbeat_timeout, "heartbeat_timeout", 1,
+                                               float("inf"), high_open=True)
   raw = os.environ.get("TF_CONFIG")
   config = _check_tf_config(raw) if raw else None
   if num_workers is not None:
@@ -241,6 +254,11 @@ def multi_worker_strategy(num_workers: Optional[int] = None,
       raise ValueError(f"`num_workers` does not match the cluster: {where}. "
                        f"Received: num_workers={num_workers}, TF_CONFIG={raw!r}")
   apply_keras_multi_worker_fix()
+  if heartbeat_timeout is not None and config and config["task"]["type"] in ("chief",
+                                                                             "worker"):
+    internals.configure_coordination_service(
+        tf.distribute.cluster_resolver.TFConfigClusterResolver().cluster_spec(),
+        heartbeat_timeout * 1000)
   strategy = tf.distribute.MultiWorkerMirroredStrategy(
       communication_options=tf.distribute.experimental.CommunicationOptions(
           timeout_seconds=collective_timeout))

@@ -152,6 +152,40 @@ def test_eager_context_initialized_before_and_after_the_runtime_starts():
                    f"(stderr: {result.stderr[-2000:]})")
 
 
+@pytest.mark.slow  # a process of its own, with a cluster of one worker
+def test_configure_coordination_service_is_kept_by_the_strategy():
+  name, user = ("`context().configure_coordination_service`, "
+                "`multi_worker_util.coordination_leader`, `CoordinatedJob`",
+                "internals.configure_coordination_service (multi_worker_strategy's "
+                "heartbeat_timeout)")
+  code = textwrap.dedent("""
+      import json, os, socket
+      with socket.socket() as s:
+          s.bind(("127.0.0.1", 0))
+          port = s.getsockname()[1]
+      os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{port}"]},
+                                            "task": {"type": "worker", "index": 0}})
+      import tensorflow as tf
+      from tensorflow.python.eager import context
+      from tf_adacomp.compat import internals
+      spec = tf.distribute.cluster_resolver.TFConfigClusterResolver().cluster_spec()
+      internals.configure_coordination_service(spec, 42000)
+      strategy = tf.distribute.MultiWorkerMirroredStrategy()
+      config = context.context().coordination_service
+      print("RESULT", config.heartbeat_timeout_in_ms, config.service_type,
+            strategy.num_replicas_in_sync)
+      """)
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="",
+             PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+  env.pop("TF_CONFIG", None)
+  result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env=env)
+  lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT")]
+  canaries.require(lines == ["RESULT 42000 standalone 1"], name, user,
+                   f"expected the strategy to keep a heartbeat timeout of 42000 ms; got "
+                   f"{lines} (stderr: {result.stderr[-2000:]})")
+
+
 def test_keras_tensorflow_trainer_holds_what_the_fix_wraps():
   name, user = f"module `{internals.KERAS_TENSORFLOW_TRAINER}`", "compat.keras_multi_worker"
   with canaries.watching(name, user):

@@ -34,6 +34,8 @@ def run_name(run):
 
 
 ADAM_LEARNING_RATE = 0.01
+# multi_worker_strategy's heartbeat timeout (checked: workers write what TensorFlow has).
+HEARTBEAT_S = 45
 # Rounds of local steps: the 10 steps of keras_fit.py end two rounds, at each epoch's end.
 LOCAL_STEPS = 5
 
@@ -82,6 +84,11 @@ def train(strategy, run, x, y):
   return model, history, evaluation
 
 
+def _heartbeat_timeout_ms():
+  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
+  return context.context().coordination_service.heartbeat_timeout_in_ms
+
+
 def main():
   from multi_worker import worker_index, worker_out_dir  # pylint: disable=g-import-not-at-top
   from tf_adacomp.distribute import multi_worker_strategy  # pylint: disable=g-import-not-at-top
@@ -89,7 +96,7 @@ def main():
   runs = sys.argv[1:]
   if not runs:
     raise SystemExit("usage: compressed_fit.py RUN [RUN ...]")
-  strategy = multi_worker_strategy()
+  strategy = multi_worker_strategy(heartbeat_timeout=HEARTBEAT_S)
   x, y = keras_fit.load_digits()
   index = worker_index()
   for run in runs:
@@ -111,6 +118,7 @@ def main():
              if hasattr(model.optimizer, "compression_stats") else None)
     with open(out / f"worker{index}.json", "w") as f:
       json.dump({"run": run, "history": history, "evaluation": evaluation,
+                 "heartbeat_timeout_ms": _heartbeat_timeout_ms(),
                  "replicas": strategy.num_replicas_in_sync, "stats": stats}, f)
     print(f"worker {index}: {run} trained, history {history}", flush=True)
 

@@ -35,6 +35,12 @@ Accessors
 - ``uses_weight_decay(optimizer, variable)``: ``keras.optimizers.Optimizer._use_weight_decay``
   (whether ``exclude_from_weight_decay`` left ``variable`` in). Used by
   ``shared_moment.decayed``, which applies AdamW's decoupled decay itself.
+- ``configure_coordination_service(cluster_spec, heartbeat_timeout_ms)``:
+  ``context().configure_coordination_service`` as ``CollectiveAllReduceExtended``
+  (``tensorflow/python/distribute/collective_all_reduce_strategy.py``) would call it,
+  with ``multi_worker_util.coordination_leader`` and ``CoordinatedJob``, but a heartbeat
+  timeout of our choosing; the strategy keeps a service configured before it is made.
+  Used by ``distribute.multi_worker_strategy(heartbeat_timeout=...)``.
 - ``keras_tensorflow_trainer()``: the module ``keras.src.backend.tensorflow.trainer``,
   with ``TensorFlowTrainer._maybe_symbolic_build``, ``reduce_per_replica`` and
   ``_collective_all_reduce_multi_worker``: what ``compat.keras_multi_worker`` patches.
@@ -83,6 +89,7 @@ from tensorflow.python.eager import context
 
 __all__ = [
     "KERAS_TENSORFLOW_TRAINER",
+    "configure_coordination_service",
     "cross_device_ops_of",
     "eager_context_initialized",
     "flatten_layers",
@@ -108,6 +115,27 @@ def cross_device_ops_of(strategy):
   """
   extended = getattr(strategy, "extended", None)
   return getattr(extended, "_cross_device_ops", None)
+
+
+def configure_coordination_service(cluster_spec, heartbeat_timeout_ms: int) -> None:
+  """Configures TensorFlow's coordination service for a ``MultiWorkerMirroredStrategy``
+  that is about to be made, as the strategy itself would, but with the heartbeat
+  timeout ``heartbeat_timeout_ms`` (TensorFlow's default is 10 s).
+
+  Args:
+    cluster_spec: the ``tf.train.ClusterSpec`` of ``TF_CONFIG``.
+    heartbeat_timeout_ms: milliseconds > 0.
+  """
+  # pylint: disable=g-import-not-at-top
+  from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+  from tensorflow.python.distribute import multi_worker_util
+  # pylint: enable=g-import-not-at-top
+  jobs = [coordination_config_pb2.CoordinatedJob(name=job, num_tasks=cluster_spec.num_tasks(job))
+          for job in ("chief", "worker") if job in cluster_spec.jobs]
+  context.context().configure_coordination_service(
+      service_type="standalone",
+      service_leader=multi_worker_util.coordination_leader(cluster_spec),
+      coordinated_jobs=jobs, heartbeat_timeout_in_ms=int(heartbeat_timeout_ms))
 
 
 def set_collective_key_base(strategy, base: int) -> None:
