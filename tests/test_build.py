@@ -17,7 +17,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON_DIRS = ("tf_adacomp", "examples", "tests", "benchmarks")
 # Import names of the third-party packages, and their pip (requirement) names.
-PIP_NAMES = {"absl": "absl-py", "hypothesis": "hypothesis", "keras": "keras",
+PIP_NAMES = {"absl": "absl-py", "h5py": "h5py", "hypothesis": "hypothesis", "keras": "keras",
              "matplotlib": "matplotlib",
              "ml_dtypes": "ml-dtypes", "numpy": "numpy", "pytest": "pytest",
              "sklearn": "scikit-learn", "tensorboard": "tensorboard",
@@ -138,7 +138,8 @@ def test_labels_and_requirements_resolve():
       else:
         package = dep.removeprefix("@pip//")
         assert package in requirements, f"{name}: {package} not in requirements.txt"
-        assert f'"{package}' in setup or package in ("ml-dtypes",), (
+        # ml-dtypes and h5py come with tensorflow and keras.
+        assert f'"{package}' in setup or package in ("ml-dtypes", "h5py"), (
             f"{name}: {package} not declared in pyproject.toml")
 
 
