@@ -38,6 +38,9 @@ moment by one shared second moment and the wrapper computes Adam's step itself
 (``tf_adacomp.shared_moment``); the mean of the replicas' steps is then Adam's step on
 the mean gradient.
 
+With ``local_steps=H`` the update exchange runs once per round of H local steps, on the
+pseudo-update of the round (DiLoCo, SparseLoCo; ``tf_adacomp.local_steps``).
+
 Options of the update exchange: ``momentum_masking`` (DGC's momentum factor masking) and,
 for either exchange, ``local_clipnorm`` (DGC's local gradient clipping). It works without
 a strategy (compression is applied locally, to study its effect on accuracy), under
@@ -202,6 +205,18 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       "shared" or "global": the longest number of steps between scheduled averages of
       the second moment (steps 1, 2, 4, ... below it, then every
       ``second_moment_interval`` steps). None lets the interval keep doubling.
+    local_steps: int >= 1, default 1; with ``exchange="updates"``, the steps of a round
+      (``tf_adacomp.local_steps``). Each replica takes ``local_steps`` steps of the inner
+      optimizer on its own data from the round's anchor; at the round's last step the
+      pseudo-updates (local weights minus anchor) are compressed with error feedback,
+      exchanged and combined by ``outer_optimizer``, and every replica adopts the new
+      anchor. Only that step sends anything. Within a round the replicas' weights
+      differ. With more than 1, an Adam or AdamW keeps each replica's own moments.
+    outer_optimizer: None (default: ``local_steps.DEFAULT_OUTER``, "average"),
+      "average" (the anchor moves by the mean pseudo-update) or a Keras optimizer that
+      steps the anchor on the pseudo-gradient, minus the mean pseudo-update (DiLoCo's:
+      ``tf_adacomp.local_steps.diloco()``); its state is checkpointed with the wrapper's.
+      With ``local_steps=1`` and "average" the update exchange is as without rounds.
 
   Raises:
     TypeError: ``inner_optimizer`` is not a Keras optimizer.
@@ -215,7 +230,11 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       masking, an inner optimizer that is not an Adam or AdamW or has settings the
       shared step would drop);
       ``second_moment_interval`` not an int >= 1, or set with "local"; ``precondition``
-      not "before" or "after", or "after" with "local";
+      not "before" or "after", or "after" with "local"; ``local_steps`` not an int
+      >= 1; ``outer_optimizer`` not None, "average" or a Keras optimizer (or one with
+      clipping, EMA or gradient accumulation, or a ``LossScaleOptimizer``);
+      ``local_steps`` > 1 or a Keras ``outer_optimizer`` with the gradient exchange,
+      Adasum, ``momentum_masking`` (``local_steps`` > 1) or a shared ``second_moment``;
       a base optimizer argument other than its Keras default (set those on the inner
       optimizer); an ``inner_optimizer`` that is a ``LossScaleOptimizer`` (wrap
       ``LossScaleOptimizer(CompressedOptimizer(inner))`` instead).
