@@ -14,7 +14,7 @@ when the round began), and nothing crosses the network. At the round's last step
 and every replica adopts the new anchor. DiLoCo (arXiv 2311.08105) is this with no
 compression and an outer Nesterov SGD (learning rate 0.7, momentum 0.9, ``diloco``);
 SparseLoCo (arXiv 2508.15706) compresses the pseudo-update with top-k and error feedback
-and averages (outer learning rate 1, no momentum: the residue takes momentum's place).
+and applies the mean without outer momentum (the residue takes momentum's place).
 With H=1 and "average" this is the update exchange that ``CompressedOptimizer`` runs by
 default, bit for bit: the anchor is the weights before the step.
 
@@ -36,8 +36,8 @@ from tf_adacomp.ops import checks
 AVERAGE = "average"
 # What ``outer_optimizer=None`` means.
 DEFAULT_OUTER = AVERAGE
-# DiLoCo's outer optimizer (arXiv 2311.08105, section 3): Nesterov SGD, learning rate
-# 0.7, momentum 0.9.
+# DiLoCo's outer optimizer (arXiv 2311.08105): Nesterov SGD, learning rate 0.7,
+# momentum 0.9.
 DILOCO_LEARNING_RATE = 0.7
 DILOCO_MOMENTUM = 0.9
 
