@@ -116,7 +116,7 @@ def main(argv=None):
       example, strategy="multi_worker" if not args.alone else "one_device",
       compressor="none" if args.alone else args.compressor, topk_density=args.topk_density,
       optimizer_exchange=None if args.alone else args.optimizer_exchange,
-      local_steps=None if args.alone else args.local_steps,
+      optimizer_local_steps=None if args.alone else args.local_steps,
       outer_optimizer=None if args.alone else args.outer_optimizer,
       batch_size=args.batch_size * workers, learning_rate=args.learning_rate,
       lr_schedule="constant", epochs=1, steps_per_epoch=args.max_steps,

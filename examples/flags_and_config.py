@@ -65,8 +65,8 @@ flags.DEFINE_enum("second_moment", None, SECOND_MOMENTS,
                   "second moment, or one shared by all (the replicas' mean, or 'global': "
                   "estimated for the global batch). Default: the library's "
                   "(tf_adacomp.optimizer.default_second_moment).")
-flags.DEFINE_integer("local_steps", None, "With --exchange=optimizer: steps each replica "
-                     "takes on its own between exchanges (DiLoCo, SparseLoCo; "
+flags.DEFINE_integer("optimizer_local_steps", None, "With --exchange=optimizer: steps each "
+                     "replica takes on its own between exchanges (DiLoCo, SparseLoCo; "
                      "docs/distributed.md). Default 1: every step.")
 flags.DEFINE_enum("outer_optimizer", None, OUTER_OPTIMIZERS,
                   "With --exchange=optimizer: how a round's exchanged pseudo-update moves "
@@ -132,7 +132,8 @@ class Config:
   momentum_masking: bool = False
   local_clipnorm: Optional[float] = None
   second_moment: Optional[str] = None  # None: CompressedOptimizer's default
-  local_steps: Optional[int] = None  # None: CompressedOptimizer's default (1)
+  # CompressedOptimizer's local_steps (ResIST's example has a local_steps of its own).
+  optimizer_local_steps: Optional[int] = None  # None: CompressedOptimizer's default (1)
   outer_optimizer: Optional[str] = None  # None: CompressedOptimizer's default
   conv_bin_size: int = 50
   dense_bin_size: int = 500
@@ -217,13 +218,13 @@ def validate(config: Config):
        "optimizer_exchange", "'updates' or unset with --adasum_mode=delta")
   need(config.second_moment in (None, *SECOND_MOMENTS), "second_moment",
        f"one of {SECOND_MOMENTS} or unset")
-  need(config.local_steps is None or (isinstance(config.local_steps, int)
-                                      and config.local_steps >= 1),
-       "local_steps", "an integer >= 1 or unset")
+  need(config.optimizer_local_steps is None or (
+      isinstance(config.optimizer_local_steps, int) and config.optimizer_local_steps >= 1),
+       "optimizer_local_steps", "an integer >= 1 or unset")
   need(config.outer_optimizer in (None, *OUTER_OPTIMIZERS), "outer_optimizer",
        f"one of {OUTER_OPTIMIZERS} or unset")
-  for name in ("optimizer_exchange", "local_clipnorm", "second_moment", "local_steps",
-               "outer_optimizer"):
+  for name in ("optimizer_exchange", "local_clipnorm", "second_moment",
+               "optimizer_local_steps", "outer_optimizer"):
     need(getattr(config, name) is None or config.exchange == "optimizer", name,
          "unset with --exchange=cross_device_ops (a CompressedOptimizer option)")
   need(config.local_clipnorm is None or (config.local_clipnorm > 0

@@ -1,4 +1,5 @@
-"""The examples' --optimizer_exchange, --momentum_masking, --local_clipnorm, --local_steps and
+"""The examples' --optimizer_exchange, --momentum_masking, --local_clipnorm,
+--optimizer_local_steps and
 --outer_optimizer flags."""
 
 import pytest
@@ -28,21 +29,22 @@ def test_the_flags_reach_the_optimizer():
 
 def test_the_local_steps_flags_reach_the_optimizer():
   import keras
-  config = flags_and_config.make_config(fashion_mnist, local_steps=8, outer_optimizer="nesterov")
+  config = flags_and_config.make_config(fashion_mnist, optimizer_local_steps=8,
+                                        outer_optimizer="nesterov")
   optimizer = optimizers.make_optimizer(config, steps_per_epoch=10)
   assert optimizer.local_steps == 8 and isinstance(optimizer.outer_optimizer,
                                                    keras.optimizers.SGD)
   assert optimizer.outer_optimizer.nesterov
-  config = flags_and_config.make_config(fashion_mnist, compressor="none", local_steps=4,
+  config = flags_and_config.make_config(fashion_mnist, compressor="none", optimizer_local_steps=4,
                                         outer_optimizer="average")
   optimizer = optimizers.make_optimizer(config, steps_per_epoch=10)  # DiLoCo-style, dense
   assert (optimizer.local_steps, optimizer.outer_optimizer) == (4, "average")
 
 
 @pytest.mark.parametrize("overrides,match", [
-    ({"local_steps": 0}, "local_steps=0"),
+    ({"optimizer_local_steps": 0}, "optimizer_local_steps=0"),
     ({"outer_optimizer": "adam"}, "outer_optimizer='adam'"),
-    ({"local_steps": 4, "exchange": "cross_device_ops"}, "local_steps=4"),
+    ({"optimizer_local_steps": 4, "exchange": "cross_device_ops"}, "optimizer_local_steps=4"),
     ({"optimizer_exchange": "deltas"}, "optimizer_exchange='deltas'"),
     ({"optimizer_exchange": "gradients", "adasum_mode": "delta", "reduction": "adasum"},
      "optimizer_exchange='gradients'"),
