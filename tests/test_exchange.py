@@ -28,7 +28,7 @@ def test_unknown_reduction_is_named(bad):
     exchange.get_reduction(bad)
 
 
-@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("fuse", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_replica_exchange_reports_what_the_joined_gather_sends(fuse):
   """Replicas of unequal payload lengths: the bytes reported for all tensors add up to the
   padded joined buffer plus one length word per payload (per tensor, or one bucket), from

@@ -118,25 +118,33 @@ def test_mid_round_each_replica_holds_its_own_weights_and_sends_nothing():
   assert not np.any(model.optimizer.bytes_sent.numpy())  # step 4 is not a round's end
 
 
-# --- Today's exchange is H=1 ----------------------------------------------------------
+# --- The outer step, and H=1 -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("local_steps", [1, 3])
-def test_an_outer_sgd_of_rate_one_is_the_average_bit_for_bit(local_steps):
-  """At H=1 the "average" path is the default update exchange (the same code), so the
-  outer optimizer's path is checked against it: SGD(1.0) moves the anchor by the mean."""
-  replicas, steps = 2, 6
+def test_an_outer_sgd_of_rate_one_is_the_average_bit_for_bit():
+  """The outer optimizer's path against the average's: SGD(1.0) moves the anchor by the
+  mean pseudo-update, to the same bits."""
+  replicas, steps, h = 2, 6, 3
   runs = []
-  for optimizer in (
-      lambda: tf_adacomp.CompressedOptimizer(_sgd(), tf_adacomp.TopK(DENSITY)),
-      _local_steps(local_steps, "average"),
-      _local_steps(local_steps, lambda: keras.optimizers.SGD(1.0))):
+  for optimizer in (_local_steps(h, "average"),
+                    _local_steps(h, lambda: keras.optimizers.SGD(1.0))):
     _, model, strategy = fit(optimizer, replicas, steps)
     runs.append(replica_weights(model, strategy))
-  if local_steps == 1:  # the library's default update exchange
-    for default, average in zip(runs[0], runs[1]):
-      np.testing.assert_array_equal(default, average)
-  for average, outer in zip(runs[1], runs[2]):
+  for average, outer in zip(*runs):
+    np.testing.assert_array_equal(average, outer)
+
+
+@pytest.mark.slow  # the same code path (local_steps=1 is the default)
+def test_one_local_step_with_the_average_is_the_default_update_exchange_bit_for_bit():
+  replicas, steps = 2, 4
+  runs = []
+  for optimizer in (lambda: tf_adacomp.CompressedOptimizer(_sgd(), tf_adacomp.TopK(DENSITY)),
+                    _local_steps(1, "average"),
+                    _local_steps(1, lambda: keras.optimizers.SGD(1.0))):
+    _, model, strategy = fit(optimizer, replicas, steps)
+    runs.append(replica_weights(model, strategy))
+  for default, average, outer in zip(*runs):
+    np.testing.assert_array_equal(default, average)
     np.testing.assert_array_equal(average, outer)
 
 

@@ -1,12 +1,14 @@
 """The kernels inside ``strategy.run``: 4 logical CPU replicas, a real all-gather."""
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tf_adacomp
 from tf_adacomp import ops
 
 
+@pytest.mark.slow  # the fast tier runs the same path through the optimizer's tests
 def test_compress_gather_decode_under_mirrored_strategy():
   strategy = tf_adacomp.distribute.mirrored_strategy(
       devices=[d.name for d in tf.config.list_logical_devices("CPU")])
