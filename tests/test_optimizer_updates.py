@@ -238,6 +238,7 @@ def test_one_replica_update_exchange_is_the_plain_optimizer():
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow  # fast tier: an Embedding on one replica in tests/test_shared_moment.py
 def test_update_exchange_trains_an_embedding_under_mirrored_strategy():
   """An Embedding's gradient is IndexedSlices: the default (update) exchange takes it."""
   strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES[:2])

@@ -120,6 +120,7 @@ def test_small_and_empty_tensors_go_dense():
   assert compressor.plan([0, 4], tf.float32).dense
 
 
+@pytest.mark.slow  # a strategy run; the fast tier checks the FFT kernels against NumPy
 def test_exchange_under_mirrored_strategy_is_bit_identical_on_every_replica():
   strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES)
   replicas = strategy.num_replicas_in_sync

@@ -143,6 +143,7 @@ def _check_bin_scale(payload, new_residue, decoded, grad, residue, bin_size):
   _same(decoded.reshape(-1), r.q.astype(decoded.dtype))
 
 
+@pytest.mark.slow  # the fast tier checks the kernels against NumPy in tests/ops/test_adacomp.py
 @hypothesis.settings(max_examples=tiers.examples(80), deadline=None,
                      suppress_health_check=[hypothesis.HealthCheck.too_slow])
 @hypothesis.given(case=st.sampled_from(CASES), scale=st.sampled_from(["tensor", "bin"]),
