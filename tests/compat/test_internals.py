@@ -131,6 +131,18 @@ def test_set_initial_epoch_is_where_a_starting_fit_begins():
                    f"fit(epochs=3) set to start at 2 ran epochs {epochs}, not [2]")
 
 
+def _result_lines_of_a_fresh_process(code):
+  """Runs ``code`` in a new Python process (TensorFlow not yet started, no TF_CONFIG):
+  its stdout lines starting with "RESULT", and the end of its stderr."""
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="",
+             PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+  env.pop("TF_CONFIG", None)
+  result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env=env)
+  return ([line for line in result.stdout.splitlines() if line.startswith("RESULT")],
+          result.stderr[-2000:])
+
+
 def test_eager_context_initialized_before_and_after_the_runtime_starts():
   # A process of its own: this one started TensorFlow's runtime long ago.
   name, user = "`tensorflow.python.eager.context.Context._initialized`", \
@@ -142,14 +154,10 @@ def test_eager_context_initialized_before_and_after_the_runtime_starts():
       tf.constant(1.0)
       print("RESULT", before, internals.eager_context_initialized())
       """)
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="",
-             PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-  result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, env=env)
-  lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT")]
+  lines, stderr = _result_lines_of_a_fresh_process(code)
   canaries.require(lines == ["RESULT False True"], name, user,
                    f"expected False before the first op and True after; got {lines} "
-                   f"(stderr: {result.stderr[-2000:]})")
+                   f"(stderr: {stderr})")
 
 
 @pytest.mark.slow  # a process of its own, with a cluster of one worker
@@ -175,15 +183,10 @@ def test_configure_coordination_service_is_kept_by_the_strategy():
       print("RESULT", config.heartbeat_timeout_in_ms, config.service_type,
             strategy.num_replicas_in_sync)
       """)
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="",
-             PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-  env.pop("TF_CONFIG", None)
-  result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, env=env)
-  lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT")]
+  lines, stderr = _result_lines_of_a_fresh_process(code)
   canaries.require(lines == ["RESULT 42000 standalone 1"], name, user,
                    f"expected the strategy to keep a heartbeat timeout of 42000 ms; got "
-                   f"{lines} (stderr: {result.stderr[-2000:]})")
+                   f"{lines} (stderr: {stderr})")
 
 
 def test_keras_tensorflow_trainer_holds_what_the_fix_wraps():
