@@ -422,9 +422,8 @@ def plot(model, processes, path):
     for kind, key, color in (("hierarchical", "hierarchical_vs_dense", "C0"),
                              ("flat", "flat_vs_dense", "C3")):
       if c[key]:
-        ax.axvline(c[key], color=color, alpha=0.4, linewidth=1)
-        ax.annotate(f"{kind}: N = {c[key]}", (c[key], ax.get_ylim()[0]), rotation=90,
-                    va="bottom", ha="right", fontsize=8, color=color)
+        ax.axvline(c[key], color=color, alpha=0.5, linewidth=1,
+                   label=f"crossover with the dense ring, {kind}: N = {c[key]}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("workers N")
