@@ -184,7 +184,8 @@ _CLUSTER_TEXT_BYTES = 2048
 
 def multi_worker_strategy(num_workers: Optional[int] = None,
                           collective_timeout: Optional[float] = None,
-                          heartbeat_timeout: Optional[float] = None
+                          heartbeat_timeout: Optional[float] = None,
+                          devices_per_worker: Optional[int] = None
                           ) -> tf.distribute.MultiWorkerMirroredStrategy:
   """A ``MultiWorkerMirroredStrategy`` (gRPC, cluster from ``TF_CONFIG``), Keras-ready.
 
@@ -224,6 +225,12 @@ def multi_worker_strategy(num_workers: Optional[int] = None,
       (``tf.distribute.experimental.CommunicationOptions(timeout_seconds=...)``).
     heartbeat_timeout: None (TensorFlow's default, 10 s) or seconds >= 1 after which
       the coordination service declares a silent worker dead.
+    devices_per_worker: None (TensorFlow's choice: every GPU of the worker, else its
+      CPU) or an int >= 1: the worker's first ``devices_per_worker`` GPUs, or on a
+      machine without GPUs that many logical CPU devices, which the process must have
+      made before TensorFlow initialised (``split_logical_devices``). With more than one
+      device per worker a ``CompressedOptimizer`` sends one payload per worker (its
+      ``hierarchical`` argument).
 
   Returns:
     ``tf.distribute.MultiWorkerMirroredStrategy()``.
@@ -231,6 +238,8 @@ def multi_worker_strategy(num_workers: Optional[int] = None,
   Raises:
     TypeError: ``num_workers`` not an int.
     ValueError: ``num_workers`` < 1 or not the cluster's number of workers;
+      ``devices_per_worker`` < 1 (a TypeError if not an int) or more than the worker
+      has;
       ``collective_timeout`` not None or a finite number > 0; ``heartbeat_timeout``
       not None or a finite number >= 1;
       ``TF_CONFIG`` malformed (not JSON, not an object, a bad "cluster" or "task");
@@ -244,6 +253,8 @@ def multi_worker_strategy(num_workers: Optional[int] = None,
   if heartbeat_timeout is not None:
     heartbeat_timeout = checks.number_in_range(heartbeat_timeout, "heartbeat_timeout", 1,
                                                float("inf"), high_open=True)
+  if devices_per_worker is not None:
+    devices_per_worker = checks.typed_int(devices_per_worker, "devices_per_worker", 1)
   raw = os.environ.get("TF_CONFIG")
   config = _check_tf_config(raw) if raw else None
   if num_workers is not None:
@@ -259,9 +270,22 @@ def multi_worker_strategy(num_workers: Optional[int] = None,
     internals.configure_coordination_service(
         tf.distribute.cluster_resolver.TFConfigClusterResolver().cluster_spec(),
         heartbeat_timeout * 1000)
-  strategy = tf.distribute.MultiWorkerMirroredStrategy(
-      communication_options=tf.distribute.experimental.CommunicationOptions(
-          timeout_seconds=collective_timeout))
+  options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=collective_timeout)
+  if devices_per_worker is None:
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+  else:
+    # Listing physical devices does not start the runtime (the strategy must, itself).
+    device_type = "GPU" if tf.config.list_physical_devices("GPU") else "CPU"
+    with internals.multi_worker_local_devices(device_type, devices_per_worker):
+      strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    found = len(tf.config.list_logical_devices(device_type))
+    if found < devices_per_worker:
+      advice = (" (make logical CPU devices with tf_adacomp.distribute."
+                "split_logical_devices before TensorFlow initialises)"
+                if device_type == "CPU" else "")
+      raise ValueError(f"`devices_per_worker` is more than this worker's {found} "
+                       f"{device_type} devices{advice}. Received: "
+                       f"devices_per_worker={devices_per_worker}")
   # An evaluator runs alone (TensorFlow's worker_count): nobody to compare with.
   if config and config["task"]["type"] != "evaluator" and _worker_count(config) > 1:
     _check_same_cluster(strategy, config)

@@ -34,6 +34,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 
+from tf_adacomp import hierarchy as hierarchy_lib
 from tf_adacomp import stats
 from tf_adacomp.compressors import base
 from tf_adacomp.compressors import registry
@@ -292,7 +293,8 @@ class Exchange:
 
   # --- Stage 2: moving payloads -------------------------------------------------------
 
-  def replica_exchange(self, plans, grads, states, dense=None) -> Exchanged:
+  def replica_exchange(self, plans, grads, states, dense=None,
+                       hierarchy: Optional[hierarchy_lib.Hierarchy] = None) -> Exchanged:
     """The whole exchange in a replica context, with the strategy's collectives.
 
     Must be called in a replica context (inside ``strategy.run``, a Keras train step, or
@@ -300,6 +302,12 @@ class Exchange:
 
     Args:
       plans, grads, states, dense: as for ``compress``.
+      hierarchy: None (the flat exchange: every replica sends its payload to every
+        other) or the ``hierarchy.Hierarchy`` of the strategy's replicas: the devices of
+        each worker sum their gradients densely, the worker's first device compresses
+        that sum with its state and exchanges one payload per worker with the other
+        workers' first devices, and every device receives the decoded total (see
+        ``_hierarchical_exchange``).
 
     Returns:
       An ``Exchanged`` for this replica.
@@ -311,6 +319,8 @@ class Exchange:
     if ctx is None:
       raise RuntimeError("replica_exchange must be called in a replica context "
                          "(inside strategy.run or a Keras train step).")
+    if hierarchy is not None:
+      return self._hierarchical_exchange(hierarchy, plans, grads, states, dense)
     out = self.compress(plans, grads, states, dense)
     summed = summable_rows = data = lengths = None
     if out.summable and self.reduction.sums_payloads:
@@ -322,6 +332,81 @@ class Exchange:
       data = ctx.all_gather(out.buffer(), axis=0)
     incoming = Incoming(ctx.num_replicas_in_sync, summed, summable_rows, data, lengths)
     sums = self.decode(plans, out, incoming, dense)
+    return Exchanged(sums, out.states, self.nbytes(plans, out, incoming))
+
+  def _hierarchical_exchange(self, hierarchy, plans, grads, states, dense) -> Exchanged:
+    """``replica_exchange`` with one payload per worker (``hierarchy`` has the groups).
+
+    1. Every device of a worker adds its gradients into a dense local sum (float32
+       all-reduce over the worker's fast links). A device other than the first adds its
+       residue too and returns a zero residue: the worker's error feedback lives on its
+       first device, and a residue elsewhere (a restore spreads the saved total evenly
+       over the devices) is handed over rather than lost.
+    2. The first device compresses the local sum with its state and exchanges the
+       payload with the other workers' first devices (``_leaders_exchange``): the flat
+       exchange among workers, one row per worker. With Adasum a worker's contribution
+       is its devices' mean, so that equal workers still give their mean.
+    3. A second local all-reduce, of the decoded totals from the first device and zeros
+       from the others, gives every device the same totals.
+
+    ``nbytes`` is what the worker sent over the network, on its first device (zeros on
+    the others; ``bytes_sent`` reads the first replica's).
+    """
+    position = hierarchy.current_position()
+    present = [i for i, grad in enumerate(grads) if grad is not None]
+    new_states = list(states)
+    contributions = []
+    for i in present:
+      grad, state = grads[i], states[i]
+      where = base.residue_position(state, plans[i].shape)
+      if not position.leads and where is not None:
+        grad = grad + tf.cast(state[where], grad.dtype)
+        new_states[i] = tuple(tf.zeros_like(s) if k == where else s
+                              for k, s in enumerate(state))
+      contributions.append(grad)
+    local = hierarchy.local_sum(position, contributions)
+    if not self.reduction.sums_payloads:  # Adasum: a worker contributes its mean
+      local = [t / hierarchy.devices_per_worker for t in local]
+    sums, nbytes = [None] * len(plans), [None] * len(plans)
+    if position.leads:
+      summed_grads = [None] * len(plans)
+      for i, total in zip(present, local):
+        summed_grads[i] = total
+      exchanged = self._leaders_exchange(hierarchy, position, plans, summed_grads, states,
+                                         dense)
+      totals = [tf.cast(exchanged.sums[i], plans[i].dtype) for i in present]
+      new_states = exchanged.states
+      nbytes = exchanged.nbytes
+    else:
+      with tf.control_dependencies(local):  # launched after the first local all-reduce
+        totals = [tf.zeros(plans[i].shape, plans[i].dtype) for i in present]
+      for i in present:
+        nbytes[i] = tf.constant(0, tf.int64)
+    for i, total in zip(present, hierarchy.local_sum(position, totals)):
+      sums[i] = total
+    return Exchanged(sums, new_states, nbytes)
+
+  def _leaders_exchange(self, hierarchy, position, plans, grads, states, dense) -> Exchanged:
+    """The flat exchange among the workers' first devices (``replica_exchange``'s
+    collectives, in the leaders' group)."""
+    out = self.compress(plans, grads, states, dense)
+    summed = summable_rows = data = lengths = None
+    if out.summable and self.reduction.sums_payloads:
+      summed = hierarchy.leaders_sum(position, list(out.summable.values()))
+    elif out.summable:
+      summable_rows = [hierarchy.leaders_gather(position, p[None])
+                       for p in out.summable.values()]
+    stride = None
+    if out.gathered:
+      lengths = hierarchy.leaders_gather(position, out.lengths()[None])
+      # The gather needs one shape from every worker: each buffer is padded to the
+      # longest, and row r starts at r * stride.
+      stride = tf.reduce_max(tf.reduce_sum(lengths, axis=1))
+      buffer = out.buffer()
+      data = hierarchy.leaders_gather(
+          position, tf.pad(buffer, [[0, stride - tf.shape(buffer)[0]]]))
+    incoming = Incoming(hierarchy.workers, summed, summable_rows, data, lengths)
+    sums = self.decode(plans, out, incoming, dense, stride=stride)
     return Exchanged(sums, out.states, self.nbytes(plans, out, incoming))
 
   def local_exchange(self, plans, grads: Sequence[Sequence], states: Sequence[Sequence],
@@ -371,7 +456,7 @@ class Exchange:
   # --- Stage 3: decoding and counting ---------------------------------------------------
 
   def decode(self, plans, out: Outgoing, incoming: Incoming,
-             dense=None) -> List[Optional[tf.Tensor]]:
+             dense=None, stride=None) -> List[Optional[tf.Tensor]]:
     """Every gradient's decoded total from what all replicas sent.
 
     Args:
@@ -380,6 +465,8 @@ class Exchange:
         widths of their payloads (every replica's are the same).
       incoming: what arrived from every replica.
       dense: as for ``compress``.
+      stride: None (``incoming.data`` joins the replicas' buffers end to end) or a
+        scalar: each replica's buffer starts ``stride`` words after the previous one's.
 
     Returns:
       One decoded total per gradient (None where ``out`` has no payload).
@@ -396,7 +483,7 @@ class Exchange:
     for k, (bucket, (payload, _)) in enumerate(out.gathered.items()):
       bucket_plans = [plans[i] for i in bucket]
       rows = gathered_rows(incoming.data, incoming.lengths, k, int(payload.shape[0]),
-                           replicas)
+                           replicas, stride)
       totals = self.reduction.decode(
           lambda r, p=bucket_plans: _decode(self.compressor, r, p, dense), rows)
       for i, total in zip(bucket, totals):
@@ -457,7 +544,7 @@ def replica_exchange(compressor: base.Compressor, plans: Sequence[base.TensorPla
 # --- Helpers ---------------------------------------------------------------------------
 
 
-def gathered_rows(data, lengths, index: int, width: int, replicas: int):
+def gathered_rows(data, lengths, index: int, width: int, replicas: int, stride=None):
   """The ``[replicas, width]`` payload rows of payload ``index`` from gathered buffers.
 
   Args:
@@ -466,11 +553,16 @@ def gathered_rows(data, lengths, index: int, width: int, replicas: int):
     index: which payload.
     width: the static payload length; rows are zero-padded to it.
     replicas: the number of replicas (collectives may not give it statically).
+    stride: None (the replicas' buffers are joined end to end) or a scalar: replica r's
+      buffer starts at ``r * stride`` (buffers padded to one length).
 
   Returns:
     int32 ``[replicas, width]``: row r holds replica r's payload, then zeros.
   """
-  replica_start = tf.cumsum(tf.reduce_sum(lengths, axis=1), exclusive=True)
+  if stride is None:
+    replica_start = tf.cumsum(tf.reduce_sum(lengths, axis=1), exclusive=True)
+  else:
+    replica_start = tf.range(tf.shape(lengths)[0]) * stride
   start = replica_start + tf.cumsum(lengths, axis=1, exclusive=True)[:, index]
   length = lengths[:, index]
   longest = tf.reduce_max(length)

@@ -61,11 +61,13 @@ import tensorflow as tf
 
 from tf_adacomp import compile_log
 from tf_adacomp import exchange as exchange_lib
+from tf_adacomp import hierarchy as hierarchy_lib
 from tf_adacomp import local_steps as local_steps_lib
 from tf_adacomp import shared_moment
 from tf_adacomp import stats
 from tf_adacomp.compat import keras_multi_worker
 from tf_adacomp.compat import loss_scale
+from tf_adacomp.compressors import base
 from tf_adacomp.compressors import registry
 from tf_adacomp.ops import checks
 from tf_adacomp.ops import fused
@@ -217,6 +219,19 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       steps the anchor on the pseudo-gradient, minus the mean pseudo-update (DiLoCo's:
       ``tf_adacomp.local_steps.diloco()``); its state is checkpointed with the wrapper's.
       With ``local_steps=1`` and "average" the update exchange is as without rounds.
+    hierarchical: None (default), True or False: whether the devices of one worker sum
+      their gradients (or updates) densely first and send one compressed payload per
+      worker over the network (``tf_adacomp.hierarchy``; docs/distributed.md). None:
+      hierarchical when a worker has more than one device (a
+      ``MultiWorkerMirroredStrategy`` with several local devices, or a
+      ``MirroredStrategy`` given ``devices_per_worker`` > 1); False: every replica sends
+      its own payload to every other. The worker's error feedback state lives on its
+      first device, and ``bytes_sent`` counts what one worker sent.
+    devices_per_worker: None (default) or an int >= 1: under a ``MirroredStrategy``, how
+      many consecutive devices share a host (replicas ``0..n-1`` are the first host's);
+      None is one host. Under ``MultiWorkerMirroredStrategy`` the strategy's own number
+      (``len(strategy.extended.worker_devices)``), and another value is refused when
+      the optimizer is built.
 
   Raises:
     TypeError: ``inner_optimizer`` is not a Keras optimizer.
@@ -235,6 +250,9 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       clipping, EMA or gradient accumulation, or a ``LossScaleOptimizer``);
       ``local_steps`` > 1 or a Keras ``outer_optimizer`` with the gradient exchange,
       Adasum, ``momentum_masking`` (``local_steps`` > 1) or a shared ``second_moment``;
+      ``hierarchical`` not None or a bool; ``devices_per_worker`` not None or an int
+      >= 1 (a TypeError if not an int), or one that does not divide the replicas or
+      differs from a multi-worker strategy's own (when built);
       a base optimizer argument other than its Keras default (set those on the inner
       optimizer); an ``inner_optimizer`` that is a ``LossScaleOptimizer`` (wrap
       ``LossScaleOptimizer(CompressedOptimizer(inner))`` instead).
@@ -246,7 +264,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
   def __init__(self, inner_optimizer, compressor="adacomp", start_step=0, name=None,
                reduction="sum", adasum_mode=None, exchange=None, momentum_masking=False,
                local_clipnorm=None, second_moment=None, second_moment_interval=None,
-               precondition="before", local_steps=1, outer_optimizer=None, **kwargs):
+               precondition="before", local_steps=1, outer_optimizer=None, hierarchical=None,
+               devices_per_worker=None, **kwargs):
     for argument, default in _BASE_DEFAULTS.items():
       value = kwargs.pop(argument, default)
       if (value is None) != (default is None) or value != default:
@@ -289,6 +308,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     second_moment_interval = _check_second_moment_interval(second_moment_interval,
                                                            second_moment)
     precondition = _check_precondition(precondition, second_moment)
+    hierarchical = hierarchy_lib.check_hierarchical(hierarchical)
+    devices_per_worker = hierarchy_lib.check_devices_per_worker(devices_per_worker)
     # Keras 3 model.fit needs a fix under multi-worker MultiWorkerMirroredStrategy:
     # applied here and in build(), so that the standard strategy constructor just works.
     keras_multi_worker.apply_keras_multi_worker_fix_for(tf.distribute.get_strategy())
@@ -310,6 +331,9 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     self.precondition = precondition
     self.local_steps = local_steps
     self.outer_optimizer = outer_optimizer
+    self.hierarchical = hierarchical
+    self.devices_per_worker = devices_per_worker
+    self.hierarchy = None  # set by build(), from the strategy
 
   # A LossScaleOptimizer around this one decides whether a step is finite over all
   # replicas (compat.loss_scale reads this marker): apply runs a collective, which every
@@ -333,6 +357,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
 
   def build(self, var_list):
     keras_multi_worker.apply_keras_multi_worker_fix_for(self._distribution_strategy)
+    self.hierarchy = hierarchy_lib.resolve(self._distribution_strategy, self.hierarchical,
+                                           self.devices_per_worker)
     self.plans = [self.compressor.plan(v.shape, v.dtype, _variable_path(v)) for v in var_list]
     self.residues = []
     for variable, plan in zip(var_list, self.plans):
@@ -456,7 +482,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     if self.local_clipnorm is not None:
       # Each replica's own mean gradient is grads * replicas: clip it to local_clipnorm.
       grads = _clip_by_global_norm(grads, self.local_clipnorm / replicas)
-    exchanged = self._exchange.replica_exchange(plans, grads, states, dense)
+    exchanged = self._exchange.replica_exchange(plans, grads, states, dense,
+                                                self.hierarchy)
     # Keras divides each replica's loss by the replica count, so the sum of the gradients
     # is the mean gradient; with Adasum, Adasum(c * g) = c * Adasum(g) makes this the
     # Adasum of the replicas' own mean gradients.
@@ -543,7 +570,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       # Nothing that is not finite enters a compressor (its residue is kept anyway).
       deltas = [None if d is None else tf.where(stepped, d, tf.zeros_like(d))
                 for d in deltas]
-    exchanged = self._exchange.replica_exchange(plans, deltas, states, dense)
+    exchanged = self._exchange.replica_exchange(plans, deltas, states, dense,
+                                                self.hierarchy)
     # The mean of the replicas' updates (or their Adasum).
     combined = [None if s is None else self._exchange.reduction.to_mean(s, replicas)
                 for s in exchanged.sums]
@@ -676,7 +704,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       if self.precondition == "before":
         update = shared_moment.clip(update / divisors[k], bound)
       deltas[k] = tf.where(stepped, update, tf.zeros_like(update))
-    exchanged = self._exchange.replica_exchange(plans, deltas, states, dense)
+    exchanged = self._exchange.replica_exchange(plans, deltas, states, dense,
+                                                self.hierarchy)
     combined = [None if s is None else self._exchange.reduction.to_mean(s, replicas)
                 for s in exchanged.sums]
     if self.precondition == "after":  # the same on every replica: exact
@@ -723,7 +752,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     slots = _first_moment_slots(self.inner_optimizer)
     targets, values = [], []
     for variable, old, delta, new in zip(variables, old_states, deltas, new_states):
-      position = None if delta is None else _residue_position(old, delta.shape)
+      position = None if delta is None else base.residue_position(old, delta.shape)
       if position is None:
         continue
       residue, new_residue = old[position], new[position]
@@ -871,6 +900,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
         "precondition": self.precondition,
         "local_steps": self.local_steps,
         "outer_optimizer": local_steps_lib.serialize_outer(self.outer_optimizer),
+        "hierarchical": self.hierarchical,
+        "devices_per_worker": self.devices_per_worker,
     }
 
   @classmethod
@@ -1051,19 +1082,10 @@ def _check_momentum_masking(momentum_masking, exchange, inner_optimizer, compres
                      "first moment: SGD with momentum > 0, Adam or AdamW. Received: "
                      f"momentum_masking=True, inner_optimizer={inner_optimizer!r}")
   probe = compressor.plan([max(compressor.min_size, 4096)], "float32")
-  if _residue_position(compressor.state_specs(probe), probe.shape) is None:
+  if base.residue_position(compressor.state_specs(probe), probe.shape) is None:
     raise ValueError("`momentum_masking=True` needs a compressor with a residue (error "
                      "feedback): with this one every element is sent every step. "
                      f"Received: momentum_masking=True, compressor={compressor!r}")
-
-
-def _residue_position(state, shape):
-  """Where in a compressor state (tensors or specs) the residue is: the first floating
-  entry of the gradient's shape; None if there is none (stateless, or a dense plan)."""
-  for position, entry in enumerate(state):
-    if entry.dtype.is_floating and entry.shape == shape:
-      return position
-  return None
 
 
 def _has_first_moment(optimizer):

@@ -41,6 +41,12 @@ Accessors
   with ``multi_worker_util.coordination_leader`` and ``CoordinatedJob``, but a heartbeat
   timeout of our choosing; the strategy keeps a service configured before it is made.
   Used by ``distribute.multi_worker_strategy(heartbeat_timeout=...)``.
+- ``multi_worker_local_devices(device_type, count)``: a context manager during which
+  ``CollectiveAllReduceExtended._initialize_local_devices`` (what a
+  ``MultiWorkerMirroredStrategy`` made from ``TF_CONFIG`` takes as its worker's devices:
+  every GPU, else one CPU) gives ``count`` devices of ``device_type``, the way
+  TensorFlow's own multi-worker tests give a worker several. Used by
+  ``distribute.multi_worker_strategy(devices_per_worker=...)``.
 - ``keras_tensorflow_trainer()``: the module ``keras.src.backend.tensorflow.trainer``,
   with ``TensorFlowTrainer._maybe_symbolic_build``, ``reduce_per_replica`` and
   ``_collective_all_reduce_multi_worker``: what ``compat.keras_multi_worker`` patches.
@@ -82,6 +88,7 @@ Public serialization (``keras.saving.register_keras_serializable``,
 package imports no ``keras.src`` module but through ``keras_tensorflow_trainer``.
 """
 
+import contextlib
 import importlib
 from typing import List
 
@@ -95,6 +102,7 @@ __all__ = [
     "flatten_layers",
     "in_multi_worker_mode",
     "keras_tensorflow_trainer",
+    "multi_worker_local_devices",
     "own_distribute_strategy",
     "set_collective_key_base",
     "set_initial_epoch",
@@ -136,6 +144,32 @@ def configure_coordination_service(cluster_spec, heartbeat_timeout_ms: int) -> N
       service_type="standalone",
       service_leader=multi_worker_util.coordination_leader(cluster_spec),
       coordinated_jobs=jobs, heartbeat_timeout_in_ms=int(heartbeat_timeout_ms))
+
+
+@contextlib.contextmanager
+def multi_worker_local_devices(device_type: str, count: int):
+  """Within it, a ``MultiWorkerMirroredStrategy`` being made takes ``count`` devices of
+  ``device_type`` ("CPU" or "GPU", indices ``0..count-1``) on each worker.
+
+  Args:
+    device_type: "CPU" or "GPU".
+    count: the devices per worker, >= 1.
+  """
+  # pylint: disable=g-import-not-at-top
+  from tensorflow.python.distribute import collective_all_reduce_strategy
+  # pylint: enable=g-import-not-at-top
+  extended = collective_all_reduce_strategy.CollectiveAllReduceExtended
+  original = extended.__dict__["_initialize_local_devices"]
+
+  def local_devices(self, cluster_resolver, worker_device):  # pylint: disable=unused-argument
+    return (tuple(f"{worker_device}/device:{device_type}:{i}" for i in range(count)),
+            device_type)
+
+  extended._initialize_local_devices = local_devices  # pylint: disable=protected-access
+  try:
+    yield
+  finally:
+    extended._initialize_local_devices = original  # pylint: disable=protected-access
 
 
 def set_collective_key_base(strategy, base: int) -> None:

@@ -66,6 +66,20 @@ def infer_kind(shape: tf.TensorShape, name: str = "") -> str:
   return "vector"
 
 
+def residue_position(state, shape) -> Optional[int]:
+  """Where in a compressor state (tensors or specs) the residue is: the first floating
+  entry of the gradient's ``shape``; None if there is none (stateless, or a dense plan).
+
+  A residue is in the gradient's units and is added to the next gradient before it is
+  compressed (error feedback), so it may be handed to another owner by adding it to a
+  gradient (the hierarchical exchange does).
+  """
+  for position, entry in enumerate(state):
+    if entry.dtype.is_floating and entry.shape == shape:
+      return position
+  return None
+
+
 def residue_dtype(grad_dtype: tf.DType) -> tf.DType:
   """Residues accumulate many small updates: float32 at least, float64 for float64."""
   return tf.float64 if grad_dtype == tf.float64 else tf.float32

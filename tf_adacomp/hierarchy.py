@@ -1,0 +1,285 @@
+"""Which replicas share a worker, and the collectives of a hierarchical exchange.
+
+A cluster has several devices per host, joined by fast links (NVLink, PCIe, or one
+memory), and one slow network link between hosts. The hierarchical exchange
+(``Exchange.replica_exchange(..., hierarchy=...)``) uses two kinds of group:
+
+- a *local group* per worker, its devices: they sum their gradients densely (one
+  all-reduce of float32, over the fast links) before anything is compressed, and
+  afterwards receive the decoded total from the worker's first device (another dense
+  all-reduce, to which the other devices add zeros);
+- the *leaders' group*: the first device of every worker. Only its members compress,
+  exchange compressed payloads across the network (one payload per worker, whatever the
+  number of its devices) and decode.
+
+The error feedback state lives once per worker, on its first device: one payload
+per worker needs one residue per worker, and a state kept in one place survives a
+restore onto another number of devices (the other devices' residues, which a restore
+fills with an equal share of the saved total, are folded into the next local sum;
+``Exchange``). The price is that compression and decoding are not split across a
+worker's devices: on a GPU both run near memory bandwidth, a small cost beside the
+network they save.
+
+Replica ``r`` of a strategy with ``devices_per_worker`` devices per worker is device
+``r % devices_per_worker`` of worker ``r // devices_per_worker``: the order of
+``MultiWorkerMirroredStrategy``'s replica ids (worker by worker, each worker's
+``extended.worker_devices`` in order), and of a ``MirroredStrategy``'s devices when
+it is told how many of them share a host.
+
+The collectives are TensorFlow's ``CollectiveReduceV2`` and ``CollectiveGatherV2``
+with group keys of their own, so that a group of some of the strategy's devices does
+not clash with the strategy's own groups (or with an earlier hierarchy's) and instance
+keys counted per group and device in the order a replica calls them, the same on every
+worker (every worker traces the same step).
+"""
+
+import itertools
+import threading
+from typing import List, NamedTuple, Optional, Sequence
+
+import tensorflow as tf
+
+from tf_adacomp.ops import checks
+
+# Group keys far above those TensorFlow's strategies count up from 1.
+_GROUP_KEY_START = 1_000_000
+_GROUP_KEYS_PER_HIERARCHY = 10_000
+_hierarchies = itertools.count()
+
+
+class Position(NamedTuple):
+  """Where one replica sits: ``worker`` (its host) and ``device`` (index on that host)."""
+  worker: int
+  device: int
+
+  @property
+  def leads(self) -> bool:
+    """Whether this replica is its worker's first device (it compresses and sends)."""
+    return self.device == 0
+
+
+class Hierarchy:
+  """Workers of ``devices_per_worker`` replicas each, and their collectives.
+
+  Made once per exchange owner (an optimizer), in the same order on every worker: its
+  group keys are counted in creation order.
+
+  Args:
+    workers: the number of workers (hosts), >= 1.
+    devices_per_worker: the replicas of each worker, >= 1.
+
+  Raises:
+    ValueError: either not an int >= 1, or too many workers for the key range.
+  """
+
+  def __init__(self, workers: int, devices_per_worker: int):
+    self.workers = checks.typed_int(workers, "workers", 1)
+    self.devices_per_worker = checks.typed_int(devices_per_worker, "devices_per_worker", 1)
+    if self.workers >= _GROUP_KEYS_PER_HIERARCHY:
+      raise ValueError(f"`workers` must be below {_GROUP_KEYS_PER_HIERARCHY}. "
+                       f"Received: workers={workers}")
+    self._key_base = _GROUP_KEY_START + _GROUP_KEYS_PER_HIERARCHY * next(_hierarchies)
+    self._resources = {}
+    self._lock = threading.Lock()  # a MirroredStrategy traces its replicas in threads
+
+  def __repr__(self):
+    return f"Hierarchy(workers={self.workers}, devices_per_worker={self.devices_per_worker})"
+
+  @property
+  def replicas(self) -> int:
+    return self.workers * self.devices_per_worker
+
+  def position(self, replica: int) -> Position:
+    """The worker and device of replica ``replica`` (an int)."""
+    return Position(*divmod(int(replica), self.devices_per_worker))
+
+  def current_position(self) -> Position:
+    """The position of the replica being traced (in a replica context).
+
+    Raises:
+      RuntimeError: outside a replica context, or a replica id that is not known while
+        tracing, or a strategy with another number of replicas.
+    """
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None:
+      raise RuntimeError("The hierarchical exchange must run in a replica context.")
+    if ctx.num_replicas_in_sync != self.replicas:
+      raise RuntimeError(f"{self!r} has {self.replicas} replicas, the strategy "
+                         f"{ctx.num_replicas_in_sync}.")
+    if tf.executing_eagerly():
+      # A strategy runs its replicas' eager code one thread at a time, switching only at
+      # its own collectives: replica 0 would wait in the first local sum for replica 1,
+      # which never starts.
+      raise RuntimeError("The hierarchical exchange runs only inside a tf.function (Keras: "
+                         "model.compile(run_eagerly=False), the default); eagerly, pass "
+                         "hierarchical=False.")
+    replica = tf.get_static_value(ctx.replica_id_in_sync_group)
+    if replica is None:
+      raise RuntimeError("The hierarchical exchange needs each replica's id while tracing; "
+                         "this strategy gives it only at run time.")
+    return self.position(replica)
+
+  # --- Collectives -----------------------------------------------------------------
+
+  def local_sum(self, position: Position, tensors: Sequence[tf.Tensor]) -> List[tf.Tensor]:
+    """The sums of ``tensors`` over the devices of ``position``'s worker.
+
+    One all-reduce per dtype, of the tensors flattened and joined; each waits for the
+    previous one (and for ``tensors``), so every device launches them in one order.
+    """
+    return self._joined(tensors, lambda joined: self._reduce(
+        joined, self.devices_per_worker, self._key_base + position.worker, position))
+
+  def leaders_sum(self, position: Position, tensors: Sequence[tf.Tensor]) -> List[tf.Tensor]:
+    """The sums of ``tensors`` over the workers' first devices (call on those only)."""
+    return self._joined(tensors, lambda joined: self._reduce(
+        joined, self.workers, self._leaders_key, position))
+
+  def leaders_gather(self, position: Position, tensor: tf.Tensor) -> tf.Tensor:
+    """``tensor`` of every worker's first device, joined along axis 0 in worker order.
+
+    Every first device must give the same shape (pad first where lengths differ).
+    """
+    if self.workers == 1:
+      return tf.identity(tensor)
+    return tf.raw_ops.CollectiveGatherV2(
+        input=tensor, group_size=self.workers, group_key=self._leaders_key,
+        instance_key=self._instance_key(self._leaders_key, position),
+        ordering_token=[self._ordering_token(position)], communication_hint="auto")
+
+  @property
+  def _leaders_key(self) -> int:
+    return self._key_base + self.workers
+
+  def _reduce(self, tensor, group_size, group_key, position):
+    if group_size == 1:
+      return tf.identity(tensor)
+    return tf.raw_ops.CollectiveReduceV2(
+        input=tensor, group_size=group_size, group_key=group_key,
+        instance_key=self._instance_key(group_key, position),
+        ordering_token=[self._ordering_token(position)], merge_op="Add", final_op="Id",
+        communication_hint="auto")
+
+  def _joined(self, tensors, reduce):
+    groups = {}
+    for k, tensor in enumerate(tensors):
+      groups.setdefault(tensor.dtype, []).append(k)
+    out, previous = [None] * len(tensors), list(tensors)
+    for ks in groups.values():
+      with tf.control_dependencies(previous):
+        joined = reduce(tf.concat([tf.reshape(tensors[k], [-1]) for k in ks], 0))
+      previous, start = [joined], 0
+      for k in ks:
+        size = tensors[k].shape.num_elements()
+        out[k] = tf.reshape(joined[start:start + size], tensors[k].shape)
+        start += size
+    return out
+
+  def _ordering_token(self, position: Position):
+    # tf.function runs stateful ops in program order unless they take a resource: then
+    # only the ops of one resource are ordered. The strategy traces its replicas one
+    # after the other into one graph, so without a token per device replica 0's last
+    # collective would have to finish before replica 1's first one starts (a deadlock);
+    # with it each device runs its own collectives in its own order (as
+    # TensorFlow's CollectiveReplicaLauncher does with a variable per device).
+    return self._resource(("order", position), position, tf.float32, on_host=False)
+
+  def _instance_key(self, group_key: int, position: Position) -> tf.Tensor:
+    # TensorFlow keeps the shape of every collective instance it has run and fails a
+    # later one with the same key and another shape ("Shape mismatch in the collective
+    # instance"), and payloads change length every step: so every call gets a new key,
+    # from a counter per group and member, counted on the device (the n-th collective of
+    # a group has the same key on every member, call after call).
+    counter = self._resource(("count", group_key, position), position, tf.int64, on_host=True)
+    with tf.control_dependencies([tf.raw_ops.AssignAddVariableOp(
+        resource=counter, value=tf.constant(1, tf.int64))]):
+      count = tf.raw_ops.ReadVariableOp(resource=counter, dtype=tf.int64)
+    return tf.cast(count, tf.int32)
+
+  def _resource(self, name, position: Position, dtype, on_host: bool):
+    """A scalar resource variable of this hierarchy, made once (eagerly, set to zero) and
+    captured by every function that uses it: on ``position``'s device (an op that takes
+    a resource is placed where the resource is: an ordering token must be on the
+    collective's device) or on its host (a counter: int64 ops stay on the CPU)."""
+    with self._lock:
+      handle = self._resources.get(name)
+      if handle is None:
+        devices = tf.distribute.get_replica_context().strategy.extended.worker_devices
+        # A MirroredStrategy lists every replica's device; a multi-worker one its worker's.
+        device = devices[position.worker * self.devices_per_worker + position.device
+                         if len(devices) == self.replicas else position.device]
+        if on_host:
+          device = tf.DeviceSpec.from_string(device).replace(device_type="CPU",
+                                                             device_index=0).to_string()
+        unique = "_".join(str(part) for part in tf.nest.flatten(name))
+        with tf.init_scope(), tf.device(device):
+          handle = tf.raw_ops.VarHandleOp(dtype=dtype, shape=[],
+                                          shared_name=f"tf_adacomp_{self._key_base}_{unique}")
+          tf.raw_ops.AssignVariableOp(resource=handle, value=tf.zeros([], dtype))
+        self._resources[name] = handle
+    return handle
+
+
+def resolve(strategy, hierarchical: Optional[bool],
+            devices_per_worker: Optional[int]) -> Optional[Hierarchy]:
+  """The ``Hierarchy`` an exchange under ``strategy`` uses, or None for the flat exchange.
+
+  Args:
+    strategy: the ``tf.distribute.Strategy`` the exchange runs under.
+    hierarchical: None (hierarchical when a worker has more than one device), True or
+      False (the flat exchange).
+    devices_per_worker: None, or how many consecutive replicas share a worker. Under
+      ``MultiWorkerMirroredStrategy`` it is the strategy's ``len(extended.
+      worker_devices)`` (and a different value is an error); under a ``MirroredStrategy``
+      None means one host (all its devices), hierarchical only when ``hierarchical`` is
+      True.
+
+  Returns:
+    A ``Hierarchy``, or None where every worker has one device or ``hierarchical`` is
+    False.
+
+  Raises:
+    ValueError: ``devices_per_worker`` that does not divide the replicas or contradicts
+      a multi-worker strategy.
+  """
+  replicas = strategy.num_replicas_in_sync
+  multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+  if multi_worker:
+    own = len(strategy.extended.worker_devices)
+    if devices_per_worker is not None and devices_per_worker != own:
+      raise ValueError(f"`devices_per_worker` must be the strategy's devices per worker "
+                       f"({own}: {list(strategy.extended.worker_devices)}) under "
+                       f"MultiWorkerMirroredStrategy. Received: "
+                       f"devices_per_worker={devices_per_worker}")
+    devices_per_worker = own
+  elif devices_per_worker is None:
+    devices_per_worker = replicas if hierarchical else 1
+  if replicas % devices_per_worker:
+    raise ValueError(f"`devices_per_worker` must divide the strategy's {replicas} replicas. "
+                     f"Received: devices_per_worker={devices_per_worker}")
+  if hierarchical is False or devices_per_worker == 1:
+    return None
+  return Hierarchy(replicas // devices_per_worker, devices_per_worker)
+
+
+def check_hierarchical(hierarchical) -> Optional[bool]:
+  """``hierarchical`` checked: None, True or False.
+
+  Raises:
+    ValueError: anything else, named in the message.
+  """
+  if hierarchical is None or isinstance(hierarchical, bool):
+    return hierarchical
+  raise ValueError(f"`hierarchical` must be None, True or False. "
+                   f"Received: hierarchical={hierarchical!r}")
+
+
+def check_devices_per_worker(devices_per_worker) -> Optional[int]:
+  """``devices_per_worker`` checked: None or an int >= 1.
+
+  Raises:
+    ValueError: anything else, named in the message.
+  """
+  if devices_per_worker is None:
+    return None
+  return checks.typed_int(devices_per_worker, "devices_per_worker", 1)
