@@ -189,6 +189,33 @@ def test_configure_coordination_service_is_kept_by_the_strategy():
                    f"{lines} (stderr: {stderr})")
 
 
+@pytest.mark.slow  # a process of its own, with a cluster of one worker
+def test_multi_worker_local_devices_are_the_strategys_devices():
+  name, user = ("`CollectiveAllReduceExtended._initialize_local_devices`",
+                "internals.multi_worker_local_devices (multi_worker_strategy's "
+                "devices_per_worker)")
+  code = textwrap.dedent("""
+      import json, os, socket
+      with socket.socket() as s:
+          s.bind(("127.0.0.1", 0))
+          port = s.getsockname()[1]
+      os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{port}"]},
+                                            "task": {"type": "worker", "index": 0}})
+      import tensorflow as tf
+      from tf_adacomp import distribute
+      from tf_adacomp.compat import internals
+      distribute.split_logical_devices(3)
+      with internals.multi_worker_local_devices("CPU", 3):
+          strategy = tf.distribute.MultiWorkerMirroredStrategy()
+      print("RESULT", strategy.num_replicas_in_sync,
+            [d.rsplit("/", 1)[1] for d in strategy.extended.worker_devices])
+      """)
+  lines, stderr = _result_lines_of_a_fresh_process(code)
+  canaries.require(lines == ["RESULT 3 ['device:CPU:0', 'device:CPU:1', 'device:CPU:2']"],
+                   name, user, f"expected a worker of 3 CPU devices; got {lines} "
+                   f"(stderr: {stderr})")
+
+
 def test_keras_tensorflow_trainer_holds_what_the_fix_wraps():
   name, user = f"module `{internals.KERAS_TENSORFLOW_TRAINER}`", "compat.keras_multi_worker"
   with canaries.watching(name, user):

@@ -1,0 +1,243 @@
+"""The hierarchical exchange (tf_adacomp/hierarchy.py, Exchange.replica_exchange).
+
+In one process, a MirroredStrategy over the 4 logical CPUs of conftest.py is told that
+consecutive devices share a worker (2 workers x 2 devices, or 1 x 4). The same on 2
+processes x 2 devices over gRPC is in tests/test_hierarchy_multi_worker.py.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_adacomp
+from adasum_reference import np_adasum
+from tf_adacomp import hierarchy as hierarchy_lib
+
+DEVICES = [f"/cpu:{i}" for i in range(4)]
+SHAPES = ([300], [7, 5], [40])
+
+
+def _strategy(replicas):
+  return tf_adacomp.distribute.mirrored_strategy(devices=DEVICES[:replicas])
+
+
+def _exchange(strategy, hierarchy, compressor, grads_of, states_of=None, reduction="sum"):
+  """One ``replica_exchange`` on every replica: ``(sums, old states, new states, nbytes)``,
+  each ``[replica][gradient]`` NumPy arrays (states: the residue, or an empty array)."""
+  compressor = tf_adacomp.get_compressor(compressor)
+  plans = [compressor.plan(tf.TensorShape(s), tf.float32, f"v{k}") for k, s in enumerate(SHAPES)]
+  exchange = tf_adacomp.Exchange(compressor, reduction)
+
+  def initial_states(replica):
+    states = [tuple(compressor.init(p)) for p in plans]
+    return states if states_of is None else states_of(replica, plans, states)
+
+  @tf.function
+  def run():
+    def step():
+      replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+      states = initial_states(replica)
+      out = exchange.replica_exchange(plans, grads_of(replica, plans), states,
+                                      hierarchy=hierarchy)
+      first = lambda state: state[0] if state else tf.zeros([0])  # noqa: E731
+      return (out.sums, [first(s) for s in states], [first(s) for s in out.states],
+              out.nbytes)
+    return strategy.run(step)
+
+  results = run()
+  return [[[local.numpy() for local in strategy.experimental_local_results(value)]
+           for value in values] for values in results]
+
+
+def _per_replica(values):
+  """``[gradient][replica]`` -> ``[replica][gradient]``."""
+  return [list(r) for r in zip(*values)]
+
+
+def _integer_grads(replica, plans):
+  # Distinct small integers per replica and element: every sum is exact in float32.
+  return [tf.reshape(tf.cast((tf.range(p.num_elements) * (replica + 3)) % 17 - 8, tf.float32),
+                     p.shape) for p in plans]
+
+
+def _numpy_integer_grads(replica):
+  return [np.reshape(((np.arange(int(np.prod(s))) * (replica + 3)) % 17 - 8).astype(np.float32),
+                     s) for s in SHAPES]
+
+
+# --- Which replicas share a worker ---------------------------------------------------------
+
+
+def test_resolve_groups_consecutive_devices_of_a_mirrored_strategy():
+  strategy = _strategy(4)
+  assert hierarchy_lib.resolve(strategy, None, None) is None  # one host: the flat exchange
+  assert hierarchy_lib.resolve(strategy, False, 2) is None
+  found = hierarchy_lib.resolve(strategy, None, 2)
+  assert (found.workers, found.devices_per_worker) == (2, 2)
+  assert [found.position(r) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+  assert [found.position(r).leads for r in range(4)] == [True, False, True, False]
+  everything = hierarchy_lib.resolve(strategy, True, None)
+  assert (everything.workers, everything.devices_per_worker) == (1, 4)
+  assert hierarchy_lib.resolve(strategy, None, 1) is None
+
+
+@pytest.mark.parametrize("hierarchical, devices_per_worker, error, match", [
+    ("yes", None, ValueError, r"`hierarchical`.*Received: hierarchical='yes'"),
+    (1, None, ValueError, r"`hierarchical`.*Received: hierarchical=1"),
+    (None, 0, ValueError, r"`devices_per_worker` must be >= 1.*Received: devices_per_worker=0"),
+    (None, 2.0, TypeError, r"`devices_per_worker` must be an int.*devices_per_worker=2.0"),
+])
+def test_bad_hierarchy_arguments_are_refused_by_name(hierarchical, devices_per_worker, error,
+                                                     match):
+  with pytest.raises(error, match=match):
+    tf_adacomp.CompressedOptimizer(keras.optimizers.SGD(0.1), hierarchical=hierarchical,
+                                   devices_per_worker=devices_per_worker)
+
+
+def test_devices_per_worker_that_does_not_divide_the_replicas_is_refused_when_built():
+  strategy = _strategy(4)
+  with pytest.raises(ValueError, match=r"divide the strategy's 4 replicas.*"
+                                       r"Received: devices_per_worker=3"):
+    hierarchy_lib.resolve(strategy, None, 3)
+  with strategy.scope():
+    optimizer = tf_adacomp.CompressedOptimizer(keras.optimizers.SGD(0.1), devices_per_worker=3)
+    with pytest.raises(ValueError, match=r"devices_per_worker=3"):
+      optimizer.build([keras.Variable(np.zeros([3], np.float32))])
+
+
+def test_hierarchy_arguments_survive_get_config():
+  optimizer = tf_adacomp.CompressedOptimizer(keras.optimizers.SGD(0.1), hierarchical=False,
+                                             devices_per_worker=2)
+  config = optimizer.get_config()
+  assert (config["hierarchical"], config["devices_per_worker"]) == (False, 2)
+  again = tf_adacomp.CompressedOptimizer.from_config(config)
+  assert (again.hierarchical, again.devices_per_worker) == (False, 2)
+
+
+# --- The exchange ----------------------------------------------------------------------
+
+
+def test_no_compression_is_exact_and_the_same_on_every_replica():
+  strategy = _strategy(4)
+  hierarchy = hierarchy_lib.resolve(strategy, None, 2)
+  sums, _, _, nbytes = _exchange(strategy, hierarchy, "none", _integer_grads)
+  expected = [sum(g) for g in zip(*(_numpy_integer_grads(r) for r in range(4)))]
+  for k, per_replica in enumerate(sums):
+    for value in per_replica:
+      np.testing.assert_array_equal(value, expected[k])
+  # Each worker's first device counts the worker's bytes; the others sent nothing.
+  for per_replica in nbytes:
+    assert per_replica[1] == per_replica[3] == 0 and per_replica[0] > 0
+
+
+def _with_residues(replica, plans, states):
+  # A residue on every replica (as after a restore, which splits the saved total evenly),
+  # exact in float32.
+  out = []
+  for grad, plan, state in zip(_integer_grads(replica, plans), plans, states):
+    where = tf_adacomp.compressors.base.residue_position(state, plan.shape)
+    state = list(state)
+    state[where] = grad / 4.0
+    out.append(tuple(state))
+  return out
+
+
+@pytest.mark.parametrize("compressor", ["adacomp", "topk"])
+def test_error_feedback_total_is_kept_and_lives_on_each_workers_first_device(compressor):
+  strategy = _strategy(4)
+  hierarchy = hierarchy_lib.resolve(strategy, None, 2)
+  sums, old, new, _ = _exchange(strategy, hierarchy, compressor, _integer_grads,
+                                _with_residues)
+  grads = _numpy_integer_grads
+  for k in range(len(SHAPES)):
+    for value in sums[k][1:]:
+      np.testing.assert_array_equal(value, sums[k][0])  # bit-identical replicas
+    # What was sent plus what is held back is what there was: gradients and residues.
+    before = sum(grads(r)[k] for r in range(4)) + sum(old[k])
+    np.testing.assert_allclose(sums[k][0] + sum(new[k]), before, atol=1e-5)
+    assert not np.array_equal(sums[k][0], before)  # something was held back
+    # The second device of each worker handed its residue to the first.
+    assert not np.any(new[k][1]) and not np.any(new[k][3])
+    assert np.any(old[k][1])
+
+
+def test_bytes_per_worker_do_not_depend_on_its_number_of_devices():
+  # Each worker's gradient is the same sum whatever its devices (split exactly among
+  # them): the hierarchical exchange sends the same bytes per worker; the flat one one
+  # payload per device.
+  def split_grads(devices):
+    def grads_of(replica, plans):
+      del replica
+      return [g / devices for g in _integer_grads(tf.constant(5), plans)]
+    return grads_of
+
+  per_worker = {}
+  for replicas, devices in ((2, 1), (4, 2), (4, 4)):
+    strategy = _strategy(replicas)
+    hierarchy = hierarchy_lib.resolve(strategy, True, devices)
+    _, _, _, nbytes = _exchange(strategy, hierarchy, "adacomp", split_grads(devices))
+    per_worker[devices] = sum(int(per_replica[0]) for per_replica in nbytes)
+    if devices > 1:
+      _, _, _, flat = _exchange(strategy, None, "adacomp", split_grads(devices))
+      flat_per_worker = sum(int(sum(per_replica[:devices])) for per_replica in flat)
+      assert flat_per_worker > 1.5 * per_worker[devices], (flat_per_worker, per_worker)
+  assert per_worker[1] == per_worker[2] == per_worker[4] > 0, per_worker
+
+
+def test_adasum_combines_the_workers_means():
+  strategy = _strategy(4)
+  hierarchy = hierarchy_lib.resolve(strategy, None, 2)
+  sums, _, _, _ = _exchange(strategy, hierarchy, "none", _integer_grads, reduction="adasum")
+  grads = [_numpy_integer_grads(r) for r in range(4)]
+  for k in range(len(SHAPES)):
+    means = [(grads[0][k] + grads[1][k]) / 2, (grads[2][k] + grads[3][k]) / 2]
+    expected = np_adasum([m.astype(np.float64) for m in means]).reshape(SHAPES[k])
+    for value in sums[k]:
+      np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-5)
+      np.testing.assert_array_equal(value, sums[k][0])
+
+
+def test_eager_replicas_are_refused_with_advice():
+  strategy = _strategy(4)
+  hierarchy = hierarchy_lib.resolve(strategy, None, 2)
+
+  def step():
+    compressor = tf_adacomp.get_compressor("none")
+    plan = compressor.plan(tf.TensorShape([3]), tf.float32, "v")
+    return tf_adacomp.Exchange(compressor).replica_exchange(
+        [plan], [tf.ones([3])], [()], hierarchy=hierarchy).sums
+
+  with pytest.raises(RuntimeError, match="only inside a tf.function.*hierarchical=False"):
+    strategy.run(step)
+
+
+# --- Under model.fit ---------------------------------------------------------------------
+
+
+def _fit(optimizer, replicas=4, steps=4, run_eagerly=False):
+  from replica_harness import data, linear_model, PER_REPLICA  # pylint: disable=g-import-not-at-top
+  strategy = _strategy(replicas)
+  x, y = data(replicas, steps)
+  with strategy.scope():
+    net = linear_model()
+    net.compile(optimizer=optimizer(), loss="mse", run_eagerly=run_eagerly)
+  net.fit(x, y, batch_size=replicas * PER_REPLICA, epochs=1, shuffle=False, verbose=0)
+  return net, strategy
+
+
+@pytest.mark.slow  # the exchange tests above cover the collectives; this is model.fit's path
+@pytest.mark.parametrize("exchange", ["gradients", "updates"])
+def test_fit_keeps_replicas_identical_and_without_compression_trains_as_keras(exchange):
+  from replica_harness import replica_weights  # pylint: disable=g-import-not-at-top
+  net, strategy = _fit(lambda: tf_adacomp.CompressedOptimizer(
+      keras.optimizers.SGD(0.1), "adacomp", exchange=exchange, devices_per_worker=2))
+  assert net.optimizer.hierarchy.workers == 2
+  for copies in replica_weights(net, strategy):
+    for copy in copies[1:]:
+      np.testing.assert_array_equal(copy, copies[0])
+  plain, _ = _fit(lambda: keras.optimizers.SGD(0.1))
+  uncompressed, _ = _fit(lambda: tf_adacomp.CompressedOptimizer(
+      keras.optimizers.SGD(0.1), "none", exchange=exchange, devices_per_worker=2))
+  for a, b in zip(uncompressed.get_weights(), plain.get_weights()):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
