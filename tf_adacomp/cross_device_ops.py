@@ -51,6 +51,7 @@ from tensorflow.python.ops import resource_variable_ops
 
 from tf_adacomp import compile_log
 from tf_adacomp import exchange as exchange_lib
+from tf_adacomp import hierarchy as hierarchy_lib
 from tf_adacomp import stats
 from tf_adacomp.compat import internals
 from tf_adacomp.compressors import registry
@@ -70,15 +71,23 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
       elements are reduced dense.
     reduction: "sum" (default) or "adasum": how the devices' decoded tensors combine
       (see the module docstring).
+    devices_per_worker: None (default: every device compresses its own tensor) or an
+      int >= 1: consecutive groups of that many devices share a host (a worker), and
+      the hierarchical exchange of ``tf_adacomp.hierarchy`` applies: each group's
+      tensors are summed densely on its first device (their mean, with Adasum), which
+      alone compresses (with the group's one residue) and sends its payload; each
+      destination decodes one payload per group.
 
   Raises:
-    ValueError: unknown compressor or reduction, ``start_step`` < 0 or ``min_size`` < 0.
+    ValueError: unknown compressor or reduction, ``start_step`` < 0, ``min_size`` < 0,
+      ``devices_per_worker`` < 1 (a TypeError if not an int), or, when reducing, one
+      that does not divide the strategy's devices.
     RuntimeError: made (or, later, reducing) in TF1 graph mode (a ``tf.compat.v1``
       Graph and Session), which it does not support.
   """
 
   def __init__(self, compressor="adacomp", start_step: int = 0, min_size=None,
-               reduction: str = "sum"):
+               reduction: str = "sum", devices_per_worker=None):
     _refuse_graph_mode()
     tf.distribute.CrossDeviceOps.__init__(self)
     tf.Module.__init__(self, name="compressed_all_reduce")
@@ -91,6 +100,7 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
     self.compressor = compressor
     self.start_step = start_step
     self.reduction = exchange_lib.check_reduction(reduction)
+    self.devices_per_worker = hierarchy_lib.check_devices_per_worker(devices_per_worker)
     self._exchange = exchange_lib.Exchange(compressor, reduction)
     self._exact = tf.distribute.ReductionToOneDevice()
     self.residues = {}   # key -> [per device: [state variables]]
@@ -102,7 +112,8 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
   def __deepcopy__(self, memo):
     # Strategies deep-copy their cross-device ops; the copy starts with no residues.
     result = CompressedAllReduce(copy.deepcopy(self.compressor, memo), self.start_step,
-                                 reduction=self.reduction)
+                                 reduction=self.reduction,
+                                 devices_per_worker=self.devices_per_worker)
     memo[id(self)] = result
     return result
 
@@ -166,15 +177,23 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
     """Reduces the per-device ``values`` (one exchange) onto ``targets``: one Mirrored
     value per tensor, with one component on each target device."""
     devices = [c.device for c in values[0].values]
+    group = self.devices_per_worker or 1
+    if len(devices) % group:
+      raise ValueError(f"`devices_per_worker` must divide the strategy's {len(devices)} "
+                       f"devices. Received: devices_per_worker={group}")
+    # Each group's first device compresses for the group (alone, without a hierarchy).
+    senders = devices[::group]
     plans = []
     for value, key in zip(values, keys):
       first = value.values[0]
       self._plans[key] = self.compressor.plan(first.shape, first.dtype, name=key)
       plans.append(self._plans[key])
-    residues = [self._variables_for(key, plan, devices) for key, plan in zip(keys, plans)]
-    grads = [[value.values[d] for value in values] for d in range(len(devices))]
+    residues = [self._variables_for(key, plan, senders) for key, plan in zip(keys, plans)]
+    grads = [[_group_total(value.values[d:d + group], senders[d // group],
+                           mean=not self._exchange.reduction.sums_payloads)
+              for value in values] for d in range(0, len(devices), group)]
     states = [[tuple(v.read_value() for v in residues[t][d]) for t in range(len(values))]
-              for d in range(len(devices))]
+              for d in range(len(senders))]
     dense = None
     updates = []
     if self.start_step:
@@ -188,13 +207,13 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
       self._compile_log = compile_log.FirstCompile(
           "CompressedAllReduce", lambda: int(nbytes.numpy()) > 0)
       self._compile_log.start()
-    totals, exchanged = self._exchange.local_exchange(plans, grads, states, devices, targets,
+    totals, exchanged = self._exchange.local_exchange(plans, grads, states, senders, targets,
                                                       dense)
     self._compile_log.traced()
     for t, key in enumerate(keys):
       # A non-finite total changes nothing: every residue of that tensor keeps its value.
       finite = fused.all_finite([exchanged.sums[t]])
-      for d, device in enumerate(devices):
+      for d, device in enumerate(senders):
         with tf.device(device):
           updates += [v.assign(tf.where(finite, new, old)) for v, old, new in
                       zip(residues[t][d], states[d][t], exchanged.states[d][t])]
@@ -242,7 +261,8 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
     return self.steps[key]
 
   def bytes_sent(self):
-    """``{key: bytes one device sent for that tensor in its last reduction}``."""
+    """``{key: bytes one device (with ``devices_per_worker``, one group) sent for that
+    tensor in its last reduction}``."""
     return {key: int(v.numpy()) for key, v in self.nbytes.items()}
 
   def variable_bytes(self):
@@ -252,6 +272,17 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
   def compression_stats(self):
     """Bytes of the last reduction per tensor kind and in total (see ``stats``)."""
     return stats.summarize(self.variable_bytes())
+
+
+def _group_total(tensors, device, mean: bool):
+  """The sum (or mean) of one group's tensors, on ``device``, in device order."""
+  if len(tensors) == 1:
+    return tensors[0]
+  with tf.device(device):
+    total = tensors[0]
+    for tensor in tensors[1:]:
+      total += tensor
+    return total / len(tensors) if mean else total
 
 
 def _refuse_graph_mode():
