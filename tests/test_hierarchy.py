@@ -5,6 +5,8 @@ consecutive devices share a worker (2 workers x 2 devices, or 1 x 4). The same o
 processes x 2 devices over gRPC is in tests/test_hierarchy_multi_worker.py.
 """
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -294,3 +296,37 @@ def test_compressed_all_reduce_sends_one_payload_per_group():
   with pytest.raises(ValueError, match=r"divide the strategy's 4 devices.*"
                                        r"devices_per_worker=3"):
     _all_reduce(4, 3, "adacomp", split_grads(1))
+
+
+# --- No silent cliff: the all-gather's crossover (tf_adacomp/scaling.py) ---------------
+
+
+def test_a_job_is_told_once_its_senders_reach_the_all_gathers_crossover(monkeypatch):
+  calls = []
+  real = tf_adacomp.scaling.check_allgather
+
+  def recording(senders, payload_bytes, dense_bytes, warn=True):
+    calls.append((senders, payload_bytes, dense_bytes))
+    return real(senders, payload_bytes, dense_bytes, warn=warn)
+
+  monkeypatch.setattr(tf_adacomp.scaling, "check_allgather", recording)
+  for devices_per_worker, senders in ((2, 2), (None, 4)):  # the workers, or the replicas
+    calls.clear()
+    net, _ = _fit(lambda d=devices_per_worker: tf_adacomp.CompressedOptimizer(
+        keras.optimizers.SGD(0.1), "topk", devices_per_worker=d))
+    optimizer = net.optimizer
+    optimizer._scaling_watch.join(timeout=30)  # pylint: disable=protected-access
+    assert not optimizer._scaling_watch.is_alive()  # pylint: disable=protected-access
+    assert len(calls) == 1 and calls[0][0] == senders, calls
+    dense = sum(p.dense_nbytes for p in optimizer.plans if not p.summable)
+    assert calls[0][2] == dense and 0 < calls[0][1] < dense, calls
+    crossover = tf_adacomp.scaling.crossover_senders(calls[0][2], calls[0][1])
+    assert optimizer.check_scaling(warn=False) is (senders >= crossover)
+  # Before the crossover nothing is said; at it (here made 4 and 2), the job is warned.
+  monkeypatch.setattr(tf_adacomp.scaling, "crossover_senders", lambda dense, payload: 5)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert optimizer.check_scaling() is False
+  monkeypatch.setattr(tf_adacomp.scaling, "crossover_senders", lambda dense, payload: 2)
+  with pytest.warns(tf_adacomp.scaling.AllGatherScalingWarning, match="4 senders"):
+    assert optimizer.check_scaling() is True

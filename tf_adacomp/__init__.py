@@ -28,6 +28,7 @@ with _quiet.quiet_tensorflow_import():
 
 from tf_adacomp import distribute
 from tf_adacomp import hierarchy
+from tf_adacomp import scaling
 from tf_adacomp import local_steps
 from tf_adacomp import ops
 from tf_adacomp import resist

@@ -55,6 +55,11 @@ choice and stays accepted: ``adasum_mode="delta"`` is ``exchange="updates"``,
 ``adasum_mode="gradient"`` is ``exchange="gradients"``.
 """
 
+import threading
+import time
+from typing import Optional
+import weakref
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -63,6 +68,7 @@ from tf_adacomp import compile_log
 from tf_adacomp import exchange as exchange_lib
 from tf_adacomp import hierarchy as hierarchy_lib
 from tf_adacomp import local_steps as local_steps_lib
+from tf_adacomp import scaling
 from tf_adacomp import shared_moment
 from tf_adacomp import stats
 from tf_adacomp.compat import keras_multi_worker
@@ -375,6 +381,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     self._compile_log = compile_log.FirstCompile(
         "CompressedOptimizer", lambda: int(self.iterations.numpy()) >= first_exchange)
     self._compile_log.start()
+    self._scaling_watch = _watch_scaling(self)
     if self.second_moment in ("shared", "global"):
       # The second moment every replica divides by (equal on all; a checkpoint stores
       # it) and, for "global", each replica's moment of its squared first moment.
@@ -884,6 +891,38 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     """Bytes of the last step per variable kind and in total (see ``stats``)."""
     return stats.summarize(self.variable_bytes()) if self.built else {}
 
+  def check_scaling(self, warn: bool = True) -> Optional[bool]:
+    """Whether the all-gather of this exchange has more senders than pays (scaling.py).
+
+    The compact payloads (AdaComp, top-k, FFT) go to every sender: each receives one
+    per sender and step, and past ``scaling.crossover_senders`` senders that is more
+    bytes than a dense ring all-reduce would move. The senders are the workers with the
+    hierarchical exchange, the replicas otherwise; the payload is what the last step
+    sent. A thread started by ``build`` calls this once, after the first compressed
+    exchange, so that a job past the crossover is told
+    (``scaling.AllGatherScalingWarning``) without asking.
+
+    Args:
+      warn: a bool; whether a True result also warns.
+
+    Returns:
+      True past the crossover, False before it, None when it cannot tell (not built,
+      one sender, no compact payload, a warm-up step or a step that sent nothing).
+    """
+    if not self.built:
+      return None
+    senders = (self.hierarchy.workers if self.hierarchy is not None
+               else self._distribution_strategy.num_replicas_in_sync)
+    gathered = [i for i, plan in enumerate(self.plans) if not plan.summable]
+    if senders < 2 or not gathered or int(self.iterations.numpy()) <= self.start_step:
+      return None
+    sent = self.bytes_sent.numpy()
+    payload = int(sum(sent[i] for i in gathered))
+    if payload == 0:
+      return None
+    dense = sum(self.plans[i].dense_nbytes for i in gathered)
+    return scaling.check_allgather(senders, payload, dense, warn=warn)
+
   def get_config(self):
     return {
         "name": self.name,
@@ -920,6 +959,32 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     # Saved before `second_moment` existed: each replica kept its own.
     config.setdefault("second_moment", "local")
     return cls(inner, **config)
+
+
+def _watch_scaling(optimizer) -> Optional[threading.Thread]:
+  """Starts a daemon thread that calls ``optimizer.check_scaling()`` once it can tell
+  (after the first compressed exchange), or None where it never could (one replica)."""
+  if optimizer._distribution_strategy.num_replicas_in_sync < 2:  # pylint: disable=protected-access
+    return None
+  reference = weakref.ref(optimizer)  # the thread must not keep the optimizer alive
+
+  def watch():
+    deadline = time.monotonic() + compile_log.GIVE_UP_S
+    while time.monotonic() < deadline:
+      watched = reference()
+      if watched is None:
+        return
+      try:
+        if watched.check_scaling() is not None:
+          return
+      except Exception:  # pylint: disable=broad-except
+        return  # the optimizer's variables are gone (its strategy ended)
+      del watched
+      time.sleep(compile_log.POLL_S)
+
+  thread = threading.Thread(target=watch, daemon=True, name="tf_adacomp_scaling_check")
+  thread.start()
+  return thread
 
 
 def _assigned(variable, value):
