@@ -145,7 +145,8 @@ def _with_residues(replica, plans, states):
   return out
 
 
-@pytest.mark.parametrize("compressor", ["adacomp", "topk"])
+@pytest.mark.parametrize("compressor", [
+    "adacomp", pytest.param("topk", marks=pytest.mark.slow)])  # fast tier: one of them
 def test_error_feedback_total_is_kept_and_lives_on_each_workers_first_device(compressor):
   strategy = _strategy(4)
   hierarchy = hierarchy_lib.resolve(strategy, None, 2)
@@ -164,6 +165,7 @@ def test_error_feedback_total_is_kept_and_lives_on_each_workers_first_device(com
     assert np.any(old[k][1])
 
 
+@pytest.mark.slow  # five exchanges, each traced and compiled
 def test_bytes_per_worker_do_not_depend_on_its_number_of_devices():
   # Each worker's gradient is the same sum whatever its devices (split exactly among
   # them): the hierarchical exchange sends the same bytes per worker; the flat one one
@@ -187,6 +189,7 @@ def test_bytes_per_worker_do_not_depend_on_its_number_of_devices():
   assert per_worker[1] == per_worker[2] == per_worker[4] > 0, per_worker
 
 
+@pytest.mark.slow  # the leaders' all-gather of summable payloads: Adasum's route only
 def test_adasum_combines_the_workers_means():
   strategy = _strategy(4)
   hierarchy = hierarchy_lib.resolve(strategy, None, 2)
@@ -286,6 +289,7 @@ def test_compressed_all_reduce_groups_are_exact_without_compression_and_identica
       np.testing.assert_array_equal(value, per_replica[0])
 
 
+@pytest.mark.slow  # three strategies; the grouping itself is in the fast test above
 def test_compressed_all_reduce_sends_one_payload_per_group():
   def split_grads(devices):
     return lambda replica, plans: [g / devices for g in _integer_grads(tf.constant(5), plans)]
@@ -301,6 +305,7 @@ def test_compressed_all_reduce_sends_one_payload_per_group():
 # --- No silent cliff: the all-gather's crossover (tf_adacomp/scaling.py) ---------------
 
 
+@pytest.mark.slow  # two model.fit runs
 def test_a_job_is_told_once_its_senders_reach_the_all_gathers_crossover(monkeypatch):
   calls = []
   real = tf_adacomp.scaling.check_allgather
