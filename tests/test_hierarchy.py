@@ -232,15 +232,20 @@ def _fit(optimizer, replicas=4, steps=4, run_eagerly=False):
 
 
 @pytest.mark.slow  # the exchange tests above cover the collectives; this is model.fit's path
-@pytest.mark.parametrize("exchange", ["gradients", "updates"])
-def test_fit_keeps_replicas_identical_and_without_compression_trains_as_keras(exchange):
+@pytest.mark.parametrize("exchange, local_steps", [
+    ("gradients", 1), ("updates", 1), ("updates", 2)])
+def test_fit_keeps_replicas_identical_and_without_compression_trains_as_keras(exchange,
+                                                                            local_steps):
   from replica_harness import replica_weights  # pylint: disable=g-import-not-at-top
   net, strategy = _fit(lambda: tf_adacomp.CompressedOptimizer(
-      keras.optimizers.SGD(0.1), "adacomp", exchange=exchange, devices_per_worker=2))
+      keras.optimizers.SGD(0.1), "adacomp", exchange=exchange, local_steps=local_steps,
+      devices_per_worker=2))
   assert net.optimizer.hierarchy.workers == 2
-  for copies in replica_weights(net, strategy):
+  for copies in replica_weights(net, strategy):  # 4 steps: 2 whole rounds of 2
     for copy in copies[1:]:
       np.testing.assert_array_equal(copy, copies[0])
+  if local_steps > 1:
+    return
   plain, _ = _fit(lambda: keras.optimizers.SGD(0.1))
   uncompressed, _ = _fit(lambda: tf_adacomp.CompressedOptimizer(
       keras.optimizers.SGD(0.1), "none", exchange=exchange, devices_per_worker=2))

@@ -510,7 +510,7 @@ class Exchange:
 
 def replica_exchange(compressor: base.Compressor, plans: Sequence[base.TensorPlan],
                      grads: Sequence[Optional[tf.Tensor]], states: Sequence[tuple],
-                     dense=None, reduction: str = "sum") -> Exchanged:
+                     dense=None, reduction: str = "sum", hierarchy=None) -> Exchanged:
   """Compresses this replica's gradients, exchanges payloads, decodes their totals.
 
   The entry point for custom training loops: call it inside ``strategy.run`` (or with no
@@ -530,6 +530,9 @@ def replica_exchange(compressor: base.Compressor, plans: Sequence[base.TensorPla
       (a warm-up step) and the states are kept.
     reduction: "sum" (the replicas' gradients are added) or "adasum" (combined with
       ``ops.adasum_reduce``; the caller scales the result as it needs).
+    hierarchy: None (flat) or a ``tf_adacomp.hierarchy.Hierarchy``, e.g.
+      ``tf_adacomp.hierarchy.resolve(strategy, None, None)`` made once before the
+      training function is traced: one payload per worker (``Exchange.replica_exchange``).
 
   Returns:
     An ``Exchanged``.
@@ -538,7 +541,8 @@ def replica_exchange(compressor: base.Compressor, plans: Sequence[base.TensorPla
     RuntimeError: called outside a replica context.
     ValueError: unknown ``reduction``.
   """
-  return Exchange(compressor, reduction).replica_exchange(plans, grads, states, dense)
+  return Exchange(compressor, reduction).replica_exchange(plans, grads, states, dense,
+                                                         hierarchy)
 
 
 # --- Helpers ---------------------------------------------------------------------------
