@@ -346,8 +346,12 @@ class Exchange:
        payload with the other workers' first devices (``_leaders_exchange``): the flat
        exchange among workers, one row per worker. With Adasum a worker's contribution
        is its devices' mean, so that equal workers still give their mean.
-    3. A second local all-reduce, of the decoded totals from the first device and zeros
-       from the others, gives every device the same totals.
+    3. The worker's devices receive what arrived: the compact payloads (lengths and
+       words, a few bits per element) by a local all-reduce to which the other devices
+       add zeros, and each decodes them itself, as every replica of the flat exchange
+       does; the summable payloads' decoded totals (fp16, bf16, none: dense anyway) by a
+       dense local all-reduce of the first device's totals and zeros. Every device ends
+       with the same bits.
 
     ``nbytes`` is what the worker sent over the network, on its first device (zeros on
     the others; ``bytes_sent`` reads the first replica's).
@@ -367,28 +371,61 @@ class Exchange:
     local = hierarchy.local_sum(position, contributions)
     if not self.reduction.sums_payloads:  # Adasum: a worker contributes its mean
       local = [t / hierarchy.devices_per_worker for t in local]
+    layout = self._layout(plans, present, dense)
     sums, nbytes = [None] * len(plans), [None] * len(plans)
+    summable = [i for i in present if plans[i].summable]
     if position.leads:
       summed_grads = [None] * len(plans)
       for i, total in zip(present, local):
         summed_grads[i] = total
-      exchanged = self._leaders_exchange(hierarchy, position, plans, summed_grads, states,
-                                         dense)
-      totals = [tf.cast(exchanged.sums[i], plans[i].dtype) for i in present]
-      new_states = exchanged.states
-      nbytes = exchanged.nbytes
+      out, incoming, leader_sums = self._leaders_exchange(
+          hierarchy, position, plans, summed_grads, states, dense)
+      new_states = out.states
+      nbytes = self.nbytes(plans, out, incoming)
+      totals = [tf.cast(leader_sums[i], plans[i].dtype) for i in summable]
+      lengths, data = incoming.lengths, incoming.data
     else:
-      with tf.control_dependencies(local):  # launched after the first local all-reduce
-        totals = [tf.zeros(plans[i].shape, plans[i].dtype) for i in present]
       for i in present:
         nbytes[i] = tf.constant(0, tf.int64)
-    for i, total in zip(present, hierarchy.local_sum(position, totals)):
+      with tf.control_dependencies(local):  # launched after the first local all-reduce
+        totals = [tf.zeros(plans[i].shape, plans[i].dtype) for i in summable]
+        lengths = data = None
+        if layout.gathered:
+          lengths = tf.zeros([hierarchy.workers, len(layout.gathered)], tf.int32)
+    if layout.gathered:
+      lengths = hierarchy.local_sum(position, [lengths])[0]
+      stride = tf.reduce_max(tf.reduce_sum(lengths, axis=1))
+      if data is None:
+        data = tf.zeros([hierarchy.workers * stride], tf.int32)
+      data = hierarchy.local_sum(position, [data])[0]
+      incoming = Incoming(hierarchy.workers, data=data, lengths=lengths)
+      decoded = self.decode(plans, layout, incoming, dense, stride=stride)
+      for i in present:
+        if not plans[i].summable:
+          sums[i] = decoded[i]
+    for i, total in zip(summable, hierarchy.local_sum(position, totals)):
       sums[i] = total
     return Exchanged(sums, new_states, nbytes)
 
-  def _leaders_exchange(self, hierarchy, position, plans, grads, states, dense) -> Exchanged:
+  def _layout(self, plans, present, dense) -> Outgoing:
+    """The compact buckets ``compress`` makes of the gradients ``present``, with payloads
+    of their static widths (zeros): what ``decode`` needs to read rows on a device that
+    compressed nothing. Summable gradients are left out."""
+    compact = [i for i in present if not plans[i].summable]
+    gathered = {}
+    for group in self.compressor.buckets([plans[i] for i in compact]):
+      bucket = tuple(compact[j] for j in group)
+      bucket_plans = [plans[i] for i in bucket]
+      width = self.compressor.bucket_width(bucket_plans)
+      if dense is not None:  # _maybe_dense: wide enough for the float32 gradients
+        width = max(width, sum(plan.num_elements for plan in bucket_plans))
+      gathered[bucket] = (tf.zeros([width], tf.int32), None)
+    return Outgoing({}, gathered, [], {})
+
+  def _leaders_exchange(self, hierarchy, position, plans, grads, states, dense):
     """The flat exchange among the workers' first devices (``replica_exchange``'s
-    collectives, in the leaders' group)."""
+    collectives, in the leaders' group): ``(out, incoming, sums)``, ``incoming.data``
+    each worker's buffer padded to the longest."""
     out = self.compress(plans, grads, states, dense)
     summed = summable_rows = data = lengths = None
     if out.summable and self.reduction.sums_payloads:
@@ -406,8 +443,9 @@ class Exchange:
       data = hierarchy.leaders_gather(
           position, tf.pad(buffer, [[0, stride - tf.shape(buffer)[0]]]))
     incoming = Incoming(hierarchy.workers, summed, summable_rows, data, lengths)
-    sums = self.decode(plans, out, incoming, dense, stride=stride)
-    return Exchanged(sums, out.states, self.nbytes(plans, out, incoming))
+    # The compact payloads are decoded by every device of the worker (the caller).
+    summable_only = Outgoing(out.summable, {}, out.states, out.shares)
+    return out, incoming, self.decode(plans, summable_only, incoming, dense)
 
   def local_exchange(self, plans, grads: Sequence[Sequence], states: Sequence[Sequence],
                      devices: Sequence[str], targets: Sequence[str], dense=None):

@@ -166,6 +166,11 @@ class Hierarchy:
       groups.setdefault(tensor.dtype, []).append(k)
     out, previous = [None] * len(tensors), list(tensors)
     for ks in groups.values():
+      if len(ks) == 1:  # as it is (its shape may be known only at run time)
+        with tf.control_dependencies(previous):
+          out[ks[0]] = reduce(tensors[ks[0]])
+        previous = [out[ks[0]]]
+        continue
       with tf.control_dependencies(previous):
         joined = reduce(tf.concat([tf.reshape(tensors[k], [-1]) for k in ks], 0))
       previous, start = [joined], 0
