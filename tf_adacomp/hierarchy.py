@@ -6,19 +6,18 @@ memory), and one slow network link between hosts. The hierarchical exchange
 
 - a *local group* per worker, its devices: they sum their gradients densely (one
   all-reduce of float32, over the fast links) before anything is compressed, and
-  afterwards receive the decoded total from the worker's first device (another dense
-  all-reduce, to which the other devices add zeros);
-- the *leaders' group*: the first device of every worker. Only its members compress,
-  exchange compressed payloads across the network (one payload per worker, whatever the
-  number of its devices) and decode.
+  afterwards receive from the worker's first device what arrived (local all-reduces to
+  which the other devices add zeros) and decode it;
+- the *leaders' group*: the first device of every worker. Only its members compress
+  and exchange compressed payloads across the network (one payload per worker, whatever
+  the number of its devices).
 
 The error feedback state lives once per worker, on its first device: one payload
 per worker needs one residue per worker, and a state kept in one place survives a
 restore onto another number of devices (the other devices' residues, which a restore
 fills with an equal share of the saved total, are folded into the next local sum;
-``Exchange``). The price is that compression and decoding are not split across a
-worker's devices: on a GPU both run near memory bandwidth, a small cost beside the
-network they save.
+``Exchange``). The price is that compression is not split across a worker's devices:
+on a GPU it runs near memory bandwidth, a small cost beside the network it saves.
 
 Replica ``r`` of a strategy with ``devices_per_worker`` devices per worker is device
 ``r % devices_per_worker`` of worker ``r // devices_per_worker``: the order of
