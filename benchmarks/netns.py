@@ -13,9 +13,14 @@ so their traffic can only reach each other. ``command(i, argv)`` wraps a command
 run in host i; ``throughput(src, dst)`` measures a link. On exit (normal, exception,
 SIGINT or SIGTERM) every namespace and interface created is deleted again.
 
+``link_counters("eth0", namespace)`` (or ``counters(i)``, host i's end) reads an
+interface's byte and packet counters (``ip -n NAMESPACE -s -j link show DEVICE``): the
+bytes that really crossed a link, headers and every protocol's traffic included.
+
 Needs root (CAP_NET_ADMIN) and ``ip``/``tc`` from iproute2.
 """
 
+import json
 import os
 import shutil
 import signal
@@ -38,6 +43,48 @@ def available():
     return False
   _ip("netns", "del", name, check=False)
   return True
+
+
+COUNTERS = ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets")
+
+
+def parse_link_counters(text: str, device: str) -> dict:
+  """``{"tx_bytes", "rx_bytes", "tx_packets", "rx_packets"}`` of ``device``, from the
+  JSON that ``ip -s -j link show DEVICE`` prints (its ``stats64``, else ``stats``).
+
+  Raises:
+    ValueError: no such device in ``text``, or no counters for it.
+  """
+  for link in json.loads(text or "[]"):
+    if link.get("ifname") != device:
+      continue
+    stats = link.get("stats64") or link.get("stats")
+    if not stats:
+      break
+    return {f"{way}_{unit}": int(stats[way][unit])
+            for way in ("tx", "rx") for unit in ("bytes", "packets")}
+  raise ValueError(f"no counters of device {device!r} in `ip -s -j link show`'s output. "
+                   f"Received: {text[:300]!r}")
+
+
+def link_counters(device: str = "eth0", namespace=None) -> dict:
+  """The byte and packet counters of ``device`` in ``namespace`` (None: this process's
+  own): ``ip [-n NAMESPACE] -s -j link show DEVICE``, parsed (``parse_link_counters``).
+
+  Raises:
+    RuntimeError: ``ip`` failed (no such namespace or device), naming both.
+  """
+  args = (["-n", namespace] if namespace else []) + ["-s", "-j", "link", "show", device]
+  result = _ip(*args, check=False)
+  if result.returncode:
+    raise RuntimeError(f"`ip {' '.join(args)}` failed: {result.stderr.strip()}. "
+                       f"Received: device={device!r}, namespace={namespace!r}")
+  return parse_link_counters(result.stdout, device)
+
+
+def counter_deltas(before: dict, after: dict) -> dict:
+  """``after - before`` for each of ``COUNTERS``."""
+  return {name: after[name] - before[name] for name in COUNTERS}
 
 
 def rate_bits(rate: str) -> int:
@@ -153,6 +200,11 @@ class LimitedNetwork:
   def command(self, i: int, argv):
     """``argv`` prefixed to run inside host i's namespace."""
     return ["ip", "netns", "exec", self.namespaces[i], *argv]
+
+  def counters(self, i: int) -> dict:
+    """Host i's link counters (``link_counters``): tx is what host i sent over its link,
+    rx what it received."""
+    return link_counters("eth0", self.namespaces[i])
 
   def leftovers(self):
     """Names of this network's namespaces that still exist (for checks)."""

@@ -16,6 +16,24 @@ CompressedOptimizer's exchange; ``+H8`` runs rounds of 8 local steps whose
 pseudo-updates are compressed, exchanged and averaged (local_steps=8,
 outer_optimizer="average"); ``+H8+nesterov`` steps them with DiLoCo's outer Nesterov
 SGD instead. With local steps the workers evaluate (and stop) only at round ends.
+``+flat`` gives CompressedOptimizer ``hierarchical=False`` (below).
+
+Several devices per worker: --devices_per_worker 1,2 runs every variant with each
+worker's strategy on 1, then 2 local replicas (logical CPUs; network_worker.py). The
+worker's batch stays --batch_size (each replica trains on batch_size / D), so runs at
+any D see the same samples per step. With D > 1 CompressedOptimizer by default sums a
+worker's replicas locally and sends one payload per worker (the hierarchical
+exchange); ``+flat`` makes every replica send its own (hierarchical=False); dense
+(``none``) is Keras' own all-reduce over all the replicas.
+
+Bytes over the link: each worker reads its link's counters (``ip -n NS -s -j link show
+eth0``, benchmarks/netns.py) after its first step and at the end of training:
+``link B/step`` is what a worker really sent over its link per step (TCP/IP headers,
+gRPC, heartbeats and the stop-decision all-reduce included; the mean of the workers),
+printed beside ``sent B/step``, the worker's own count (CompressedOptimizer's
+``bytes_sent``; 4 bytes per parameter for dense). ``acc@S`` is the test accuracy at
+the same step S (= the same samples) for every run of a model: the last evaluation
+that every run which was not cut short by --max_run_seconds reached.
 
 The floor: the same model and per-worker batch trained by the same Keras program
 (jit_compile=False) in one process with no exchange at all, --workers such processes at
@@ -58,6 +76,8 @@ borrowed step count without reaching the target.
     sudo python benchmarks/network.py                  # mlp and cnn, 3 links, 6 variants
     sudo python benchmarks/network.py --models mlp --rates 100mbit \\
         --compressors none,adacomp,adacomp+H8
+    sudo python benchmarks/network.py --models mlp --rates 100mbit \\
+        --compressors none,bf16,adacomp,adacomp+flat --devices_per_worker 1,2
 
 Needs root (``ip netns``). Every namespace it made is deleted at the end, on error and
 on SIGINT/SIGTERM; a run still going --run_timeout seconds after it started is killed
@@ -95,6 +115,12 @@ TARGET_CHECKS = {
         ("speed_up_to_target_over_bf16", "10mbit", ">=", 25.0),
     "bytes_to_target_fewer_than_dense": ("bytes_to_target_fewer_than_dense", None, ">=",
                                          2000.0),
+    # Several devices per worker (rows with D > 1): against the same variant at D = 1,
+    # and against the same variant's +flat at the same D.
+    "time_to_target_with_devices_no_worse_than_one_at_100mbit":
+        ("time_to_target_over_one_device", "100mbit", "<=", 1.0),
+    "accuracy_at_equal_samples_at_least_flat":
+        ("accuracy_at_equal_step_over_flat", None, ">=", 0.0),
 }
 TARGETS = {name: check[3] for name, check in TARGET_CHECKS.items()}
 # Per model: steps, accuracy to reach (0: none) and learning rate of a run. The steps
@@ -112,15 +138,21 @@ DENSE, BF16 = "none", "bf16"  # the variants the speed-ups are measured against
 RATIO_INPUTS = {"ratio_to_floor_time_to_target": (),  # the floor is never estimated
                 "speed_up_to_target_over_dense": (DENSE,),
                 "speed_up_to_target_over_bf16": (BF16,),
-                "bytes_to_target_fewer_than_dense": (DENSE,)}
+                "bytes_to_target_fewer_than_dense": (DENSE,),
+                # Rows of other D: the row's own "estimated_<field>" says (device_ratios).
+                "time_to_target_over_one_device": (),
+                "accuracy_at_equal_step_over_flat": ()}
 
 # A variant of --compressors, parsed: exchange is None (the library's), "gradients" or
-# "updates"; local_steps None (1) or H; outer_optimizer None, "average" or "nesterov".
-Variant = collections.namedtuple("Variant",
-                                 "compressor exchange local_steps outer_optimizer")
+# "updates"; local_steps None (1) or H; outer_optimizer None, "average" or "nesterov";
+# hierarchical None (the library's) or False (+flat).
+Variant = collections.namedtuple(
+    "Variant", "compressor exchange local_steps outer_optimizer hierarchical",
+    defaults=(None,))
 VARIANT_SYNTAX = ("a compressor's suffixes are +gradients or +updates (the exchange), "
-                  "+H<steps> (local steps, an integer >= 1) and +nesterov (with +H: "
-                  "DiLoCo's outer Nesterov SGD), each at most once")
+                  "+H<steps> (local steps, an integer >= 1), +nesterov (with +H: "
+                  "DiLoCo's outer Nesterov SGD) and +flat (hierarchical=False), each at "
+                  "most once")
 
 
 def _read_json(path):
@@ -172,20 +204,22 @@ def target_accuracy(args, model):
 def split_variant(variant):
   """A variant of --compressors as a ``Variant``.
 
-  ``"adacomp"`` -> ``Variant("adacomp", None, None, None)``; ``"adacomp+updates"`` ->
+  ``"adacomp"`` -> ``Variant("adacomp", None, None, None, None)``; ``"adacomp+updates"`` ->
   ``Variant("adacomp", "updates", None, None)``; ``"adacomp+H8"`` -> ``Variant(
   "adacomp", None, 8, "average")``; ``"adacomp+H8+nesterov"`` -> ``Variant("adacomp",
-  None, 8, "nesterov")``. The first two fields are what the old ``(compressor,
+  None, 8, "nesterov")``; ``"adacomp+flat"`` -> ``Variant("adacomp", None, None, None,
+  False)`` (hierarchical=False). The first two fields are what the old ``(compressor,
   exchange)`` pair was. The exchange suffix lets one invocation time the old default
   (``+gradients``) beside the new (``+updates``); ``+H`` says "average" explicitly
   because the library's own default outer optimizer with local steps is DiLoCo's.
 
   Raises:
-    ValueError: an unknown or repeated suffix, H < 1, +nesterov without +H, or +H with
-      +gradients (rounds exchange pseudo-updates), naming ``compressor`` and the value.
+    ValueError: an unknown or repeated suffix, H < 1, +nesterov without +H, +H with
+      +gradients (rounds exchange pseudo-updates), or +flat on none (Keras' own
+      all-reduce: no CompressedOptimizer), naming ``compressor`` and the value.
   """
   compressor, *suffixes = variant.split("+")
-  exchange = local_steps = outer = None
+  exchange = local_steps = outer = hierarchical = None
   error = ValueError(f"{VARIANT_SYNTAX}. Received: compressor={variant!r}")
   if not compressor or len(set(suffixes)) != len(suffixes):
     raise error
@@ -197,8 +231,15 @@ def split_variant(variant):
       local_steps = int(steps.group(1))
     elif suffix == "nesterov":
       outer = "nesterov"
+    elif suffix == "flat":
+      hierarchical = False
     else:
       raise error
+  if (hierarchical is False and compressor == DENSE and exchange in (None, "gradients")
+      and not local_steps):
+    raise ValueError(f"+flat is CompressedOptimizer's flat exchange (hierarchical=False); "
+                     f"{DENSE} alone is Keras' own all-reduce, which has no other. "
+                     f"Received: compressor={variant!r}")
   if local_steps is None and outer:
     raise ValueError(f"+nesterov is the outer optimizer of rounds of local steps: give "
                      f"+H<steps> too (e.g. adacomp+H8+nesterov). Received: "
@@ -208,11 +249,13 @@ def split_variant(variant):
                      f"+gradients. Received: compressor={variant!r}")
   if local_steps is not None:
     outer = outer or "average"
-  return Variant(compressor, exchange, local_steps, outer)
+  return Variant(compressor, exchange, local_steps, outer, hierarchical)
 
 
-def worker_argv(args, model, variant, out, alone=False, topk_density=None):
-  """The command line of one network_worker.py process."""
+def worker_argv(args, model, variant, out, alone=False, topk_density=None, devices=1,
+                namespace=None):
+  """The command line of one network_worker.py process (``devices`` local replicas;
+  ``namespace``: the one it runs in, whose link counters it reads)."""
   settings = MODEL_SETTINGS[model]
   parsed = split_variant(variant)
   argv = [sys.executable, os.path.join(HERE, "network_worker.py"), f"--model={model}",
@@ -226,8 +269,14 @@ def worker_argv(args, model, variant, out, alone=False, topk_density=None):
   if parsed.local_steps:
     argv += [f"--local_steps={parsed.local_steps}",
              f"--outer_optimizer={parsed.outer_optimizer}"]
+  if parsed.hierarchical is False:
+    argv.append("--flat")
   if topk_density:
     argv.append(f"--topk_density={topk_density:.6g}")
+  if devices > 1 and not alone:
+    argv.append(f"--devices_per_worker={devices}")
+  if namespace and not alone:
+    argv.append(f"--netns={namespace}")
   if alone:
     argv.append("--alone")
   elif args.max_run_seconds:  # the floor is short: it runs to its target
@@ -235,6 +284,28 @@ def worker_argv(args, model, variant, out, alone=False, topk_density=None):
   if args.synthetic:
     argv.append("--synthetic")
   return argv
+
+
+def parse_devices(text, batch_size):
+  """--devices_per_worker as a list of ints (``"1,2"`` -> ``[1, 2]``).
+
+  Raises:
+    ValueError: not comma-separated integers >= 1, a repeat, or one that does not divide
+      ``batch_size`` (the worker's batch is split evenly across its replicas).
+  """
+  try:
+    devices = [int(part) for part in str(text).split(",")]
+  except ValueError:
+    devices = []
+  if not devices or any(d < 1 for d in devices) or len(set(devices)) != len(devices):
+    raise ValueError(f"--devices_per_worker takes distinct integers >= 1, comma-separated "
+                     f"(e.g. 1,2). Received: devices_per_worker={text!r}")
+  for d in devices:
+    if batch_size % d:
+      raise ValueError(f"--devices_per_worker must divide --batch_size (each replica "
+                       f"trains on batch_size / D). Received: devices_per_worker={d}, "
+                       f"batch_size={batch_size}")
+  return devices
 
 
 def worker_env(tf_config=None):
@@ -260,25 +331,43 @@ def compute_only(args, model, work):
   return floor
 
 
-def cluster_run(args, net, model, compressor, work, topk_density=None):
-  """One MultiWorkerMirroredStrategy run across the namespaces; worker 0's figures."""
+def cluster_run(args, net, model, compressor, work, topk_density=None, devices=1):
+  """One MultiWorkerMirroredStrategy run across the namespaces, ``devices`` replicas per
+  worker: worker 0's figures, with every worker's link counters (``link_*_workers``:
+  per step as each worker measured them, and the whole run's as read from outside,
+  start-up and the initial broadcast included)."""
   from tf_adacomp import distribute  # pylint: disable=g-import-not-at-top
   addresses = [f"{net.address(i)}:{PORT}" for i in range(args.workers)]
-  outs = [os.path.join(work, f"{model}_{compressor}_{net.rate}_{i}.json")
+  outs = [os.path.join(work, f"{model}_{compressor}_{net.rate}_D{devices}_{i}.json")
           for i in range(args.workers)]
   commands = [(net.command(i, worker_argv(args, model, compressor, outs[i],
-                                          topk_density=topk_density)),
+                                          topk_density=topk_density, devices=devices,
+                                          namespace=net.namespaces[i])),
                worker_env(distribute.tf_config(addresses, i)))
               for i in range(args.workers)]
+  before = [net.counters(i) for i in range(args.workers)]
   start = time.perf_counter()
   codes = run_workers(commands, args.run_timeout)
   wall = time.perf_counter() - start
   if any(code != 0 for code in codes):
-    return {"compressor": compressor, "failed": True, "return_codes": codes,
-            "wall_seconds": wall}
-  run = _read_json(outs[0])
-  run.update(compressor=compressor, wall_seconds=wall, topk_density=topk_density)
+    return {"compressor": compressor, "devices_per_worker": devices, "failed": True,
+            "return_codes": codes, "wall_seconds": wall}
+  workers = [_read_json(out) for out in outs]
+  run = workers[0]
+  run.update(compressor=compressor, wall_seconds=wall, topk_density=topk_density,
+             devices_per_worker=devices,
+             link_bytes_per_step_workers=[w.get("link_bytes_per_step") for w in workers],
+             link_run_workers=[netns.counter_deltas(b, net.counters(i))
+                               for i, b in enumerate(before)])
   return run
+
+
+def link_bytes_per_step(run, direction="tx"):
+  """Bytes a worker really sent (``tx``) or received (``rx``) over its link per step,
+  the mean of the workers' own counts (None: not measured)."""
+  counts = [w[f"{direction}_bytes"] for w in run.get("link_bytes_per_step_workers") or []
+            if w]
+  return statistics.mean(counts) if counts else None
 
 
 # --- Time and bytes to the target ----------------------------------------------------
@@ -383,9 +472,15 @@ def _ratio(numerator, denominator):
 def run_row(model, rate, run, floor, target, borrowed=None):
   """The row of one run, without the ratios to other rows (``summarize`` adds them)."""
   if run.get("failed"):
-    return {"model": model, "rate": rate, "compressor": run["compressor"], "failed": True}
+    failed = {"model": model, "rate": rate, "compressor": run["compressor"], "failed": True}
+    if run.get("devices_per_worker", 1) != 1:
+      failed["devices_per_worker"] = run["devices_per_worker"]
+    return failed
   last = run["evaluations"][-1] if run["evaluations"] else {}
   row = {"model": model, "rate": rate, "compressor": run["compressor"],
+         "devices_per_worker": run.get("devices_per_worker", 1),
+         "link_tx_bytes_per_step": link_bytes_per_step(run, "tx"),
+         "link_rx_bytes_per_step": link_bytes_per_step(run, "rx"),
          "median_step_seconds": run["median_step_seconds"],
          "mean_step_seconds": mean_step_seconds(run),
          "ratio_to_compute_only": mean_step_seconds(run) / mean_step_seconds(floor),
@@ -402,20 +497,26 @@ def run_row(model, rate, run, floor, target, borrowed=None):
   return row
 
 
-def summarize(model, rates, variants, runs, floor, target):
+def summarize(model, rates, variants, runs, floor, target, fallback=None):
   """The rows of one model (every link and variant run): time and bytes to the target,
   measured or estimated, and their ratios to the floor, dense and bf16 on the same link.
 
   ``ratios_from_estimates`` names the rows (this one, dense, bf16) whose estimates
-  entered a ratio of this row.
+  entered a ratio of this row. ``fallback``: ``(tag, runs)``, other runs of the model
+  (the same variants at one device per worker) to borrow steps to the target from when
+  the variant reached it on no link of ``runs``; the link named in
+  ``steps_to_target_from`` then carries ``tag``.
   """
   rows = {}
   for rate in rates:
     for variant in variants:
       run = runs.get((model, rate, variant))
       if run is not None:  # (topk is skipped when AdaComp failed)
-        rows[rate, variant] = run_row(model, rate, run, floor, target,
-                                      borrowed_steps(model, rates, variant, runs, target))
+        borrowed = borrowed_steps(model, rates, variant, runs, target)
+        if borrowed is None and fallback:
+          other = borrowed_steps(model, rates, variant, fallback[1], target)
+          borrowed = (f"{other[0]} {fallback[0]}", other[1]) if other else None
+        rows[rate, variant] = run_row(model, rate, run, floor, target, borrowed)
   for (rate, variant), row in rows.items():
     if row.get("failed"):
       continue
@@ -433,6 +534,83 @@ def summarize(model, rates, variants, runs, floor, target):
     row["ratios_from_estimates"] = sorted({r["compressor"] for r in (row, dense, bf16)
                                            if r.get("estimated")})
   return list(rows.values())
+
+
+# --- Several devices per worker: equal samples, D against 1, hierarchical against flat
+
+
+def equal_step(runs):
+  """The step S at which every run of ``runs`` (one model's) is compared at equal
+  samples: the last evaluation step that each run not cut short by --max_run_seconds
+  reached (every run's when all were cut short). None: no evaluations."""
+  done = [r for r in runs if not r.get("failed") and r["evaluations"]]
+  whole = [r for r in done if r.get("stopped") != "max_run_seconds"] or done
+  return min((r["evaluations"][-1]["step"] for r in whole), default=None)
+
+
+def accuracy_at_step(run, step):
+  """``(accuracy, mean accuracy)``: the run's last evaluation at or before ``step`` and
+  the mean of its evaluations up to ``step``; ``(None, None)`` when the run stopped
+  before ``step`` or evaluated nothing until then."""
+  if run.get("failed") or step is None or not run["evaluations"]:
+    return None, None
+  upto = [e["accuracy"] for e in run["evaluations"] if e["step"] <= step]
+  if run["evaluations"][-1]["step"] < step or not upto:
+    return None, None
+  return upto[-1], statistics.mean(upto)
+
+
+def row_key(row):
+  """``(model, rate, variant, devices per worker)`` of a row, as ``runs`` keys it."""
+  return row["model"], row["rate"], row["compressor"], row.get("devices_per_worker", 1)
+
+
+def add_equal_step_accuracy(rows, runs):
+  """Adds ``equal_step`` (S, per model), ``accuracy_at_equal_step`` and
+  ``mean_accuracy_to_equal_step`` to every row that did not fail; ``runs`` keyed as
+  ``measure`` keys them."""
+  for model in {r["model"] for r in rows}:
+    step = equal_step([run for key, run in runs.items() if key[0] == model])
+    for row in rows:
+      if row["model"] == model and not row.get("failed"):
+        row["equal_step"] = step
+        (row["accuracy_at_equal_step"],
+         row["mean_accuracy_to_equal_step"]) = accuracy_at_step(runs[row_key(row)], step)
+
+
+def flat_counterpart(variant):
+  """The variant's ``+flat`` twin (hierarchical=False) as ``split_variant`` sees it, or
+  None when the variant is flat already or has none (dense)."""
+  parsed = split_variant(variant)
+  if parsed.hierarchical is False or parsed.compressor == DENSE:
+    return None
+  return parsed._replace(hierarchical=False)
+
+
+def device_ratios(rows):
+  """Adds, to each row of D > 1 devices per worker, ``time_to_target_over_one_device``
+  (its time to the target over the same variant's at D = 1 on the same link; with
+  ``estimated_time_to_target_over_one_device`` when either is an estimate), and to each
+  row with a ``+flat`` twin at the same D and link ``accuracy_at_equal_step_over_flat``
+  (its accuracy at the equal step minus the twin's)."""
+  by_key = {row_key(r): r for r in rows if not r.get("failed")}
+  for row in by_key.values():
+    model, rate, variant, devices = row_key(row)
+    if devices != 1:
+      one = by_key.get((model, rate, variant, 1), {})
+      row["time_to_target_over_one_device"] = _ratio(row["time_to_target_seconds"],
+                                                     one.get("time_to_target_seconds"))
+      row["estimated_time_to_target_over_one_device"] = bool(row["estimated"]
+                                                             or one.get("estimated"))
+    twin = flat_counterpart(variant)
+    flat = next((r for key, r in by_key.items() if key[:2] == (model, rate)
+                 and key[3] == devices and split_variant(key[2]) == twin), None)
+    if twin and flat is not None:
+      mine, theirs = row.get("accuracy_at_equal_step"), flat.get("accuracy_at_equal_step")
+      row["accuracy_at_equal_step_over_flat"] = (
+          None if mine is None or theirs is None else mine - theirs)
+      row["estimated_accuracy_at_equal_step_over_flat"] = False  # measured evaluations
+      row["flat_variant"] = flat["compressor"]
 
 
 # --- Output ---------------------------------------------------------------------------
@@ -456,24 +634,28 @@ def _bytes(value, estimated=False):
 
 def ratio_is_estimated(row, field):
   """Whether ratio ``field`` of ``row`` has an estimate on either side."""
+  if f"estimated_{field}" in row:  # a ratio to a row of another D (device_ratios)
+    return row[f"estimated_{field}"]
   used = row.get("ratios_from_estimates", [])
   return row.get("estimated", False) or any(r in used for r in RATIO_INPUTS[field])
 
 
 def print_rows(rows):
-  print(f"\n{'model':<9}{'link':>8}{'variant':>21}{'ms/step':>9}{'steps':>6}{'acc':>7}"
-        f"{'to tgt':>7}{'to target s':>12}{'/floor':>8}{'x dense':>9}{'x bf16':>8}"
-        f"{'bytes to tgt':>14}{'/ dense':>9}")
+  print(f"\n{'model':<9}{'link':>8}{'variant':>21}{'D':>3}{'ms/step':>9}{'steps':>6}"
+        f"{'acc':>7}{'to tgt':>7}{'to target s':>12}{'/floor':>8}{'x dense':>9}"
+        f"{'x bf16':>8}{'bytes to tgt':>14}{'/ dense':>9}{'link B/step':>13}"
+        f"{'sent B/step':>13}{'acc@S':>7}{'S':>5}")
   for r in rows:
+    devices = r.get("devices_per_worker", 1)
     if r.get("failed"):
-      print(f"{r['model']:<9}{r['rate']:>8}{r['compressor']:>21}   FAILED")
+      print(f"{r['model']:<9}{r['rate']:>8}{r['compressor']:>21}{devices:>3}   FAILED")
       continue
     est = r["estimated"]
 
     def ratio(field, spec, r=r):
       return _fmt(r.get(field), spec, ratio_is_estimated(r, field), "x")
 
-    print(f"{r['model']:<9}{r['rate']:>8}{r['compressor']:>21}"
+    print(f"{r['model']:<9}{r['rate']:>8}{r['compressor']:>21}{devices:>3}"
           f"{1e3 * r['mean_step_seconds']:>9.1f}{r['steps']:>6}"
           f"{r['final_accuracy'] or 0:>7.3f}{_fmt(r['steps_to_target'], 'd', est):>7}"
           f"{_fmt(r['time_to_target_seconds'], '.1f', est):>12}"
@@ -481,27 +663,38 @@ def print_rows(rows):
           f"{ratio('speed_up_to_target_over_dense', '.3g'):>9}"
           f"{ratio('speed_up_to_target_over_bf16', '.3g'):>8}"
           f"{_bytes(r['bytes_to_target'], est):>14}"
-          f"{ratio('bytes_to_target_fewer_than_dense', '.4g'):>9}")
+          f"{ratio('bytes_to_target_fewer_than_dense', '.4g'):>9}"
+          f"{_bytes(r.get('link_tx_bytes_per_step')):>13}"
+          f"{_bytes(r.get('bytes_sent_per_step')):>13}"
+          f"{_fmt(r.get('accuracy_at_equal_step'), '.3f'):>7}"
+          f"{_fmt(r.get('equal_step'), 'd'):>5}")
   print("ms/step: mean over every step, one-off steps counted as typical; ~: an estimate "
-        "(the run stopped at --max_run_seconds; see network.py's docstring)")
+        "(the run stopped at --max_run_seconds; see network.py's docstring); D: devices "
+        "per worker; link B/step: what a worker really sent over its link per step "
+        "(interface counters, after step 1); sent B/step: its own count (bytes_sent); "
+        "acc@S: test accuracy at step S, the same samples for every run of the model")
 
 
 def print_targets(rows):
-  """For each of the issue's targets, the rows that meet it (~: estimates involved)."""
+  """For each of the issue's targets, the rows that meet it and those that do not (~:
+  estimates involved)."""
   reference = {DENSE, BF16}
   for model in sorted({r["model"] for r in rows}):
     print(f"\ntargets, {model}:")
     for name, (field, rate, op, bound) in TARGET_CHECKS.items():
-      met = []
+      met, missed = [], []
       for r in rows:
         value = r.get(field)
         if (r["model"] != model or value is None or r["compressor"] in reference
             or (rate and r["rate"] != rate)):
           continue
-        if (value <= bound) if op == "<=" else (value >= bound):
-          mark = "~" if ratio_is_estimated(r, field) else ""
-          met.append(f"{r['compressor']}@{r['rate']} {mark}{value:.3g}")
-      print(f"  {name} ({op} {bound:g}): {', '.join(met) if met else 'none'}")
+        mark = "~" if ratio_is_estimated(r, field) else ""
+        devices = r.get("devices_per_worker", 1)
+        where = f"{r['rate']} D{devices}" if devices != 1 else r["rate"]
+        meets = (value <= bound) if op == "<=" else (value >= bound)
+        (met if meets else missed).append(f"{r['compressor']}@{where} {mark}{value:.3g}")
+      print(f"  {name} ({op} {bound:g}): {', '.join(met) if met else 'none'}"
+            + (f"; not met: {', '.join(missed)}" if missed else ""))
 
 
 def plot(rows, runs, floors, path):
@@ -511,7 +704,7 @@ def plot(rows, runs, floors, path):
   from matplotlib.patches import Patch  # pylint: disable=g-import-not-at-top
 
   models = sorted({r["model"] for r in rows})
-  variants = list(dict.fromkeys(r["compressor"] for r in rows))
+  variants = list(dict.fromkeys(row_label(r) for r in rows))
   colors = {v: plt.get_cmap("tab10")(i % 10) for i, v in enumerate(variants)}
   styles = ["-", "--", ":", "-."]
   fig, axes = plt.subplots(2, len(models), figsize=(7 * len(models), 9), squeeze=False)
@@ -522,7 +715,7 @@ def plot(rows, runs, floors, path):
     ax = axes[0][column]
     for i, rate in enumerate(rates):
       for j, variant in enumerate(variants):
-        row = next((r for r in mine if r["rate"] == rate and r["compressor"] == variant),
+        row = next((r for r in mine if r["rate"] == rate and row_label(r) == variant),
                    None)
         if not row or row["time_to_target_seconds"] is None:
           continue
@@ -545,9 +738,10 @@ def plot(rows, runs, floors, path):
     ax.legend(handles=handles, fontsize=7)
 
     ax = axes[1][column]
-    for (run_model, rate, variant), run in runs.items():
+    for (run_model, rate, variant, devices), run in runs.items():
       if run_model != model or run.get("failed") or not run["evaluations"]:
         continue
+      variant = row_label({"compressor": variant, "devices_per_worker": devices})
       ax.plot(_eval_seconds(run), [e["accuracy"] for e in run["evaluations"]],
               color=colors.get(variant, "grey"),
               linestyle=styles[rates.index(rate) % len(styles)] if rate in rates else "-",
@@ -565,14 +759,50 @@ def plot(rows, runs, floors, path):
   report.save_figure(fig, path)
 
 
+def row_label(row):
+  """A row's variant, with `` D<n>`` when it ran on n > 1 devices per worker."""
+  devices = row.get("devices_per_worker", 1)
+  return row["compressor"] + (f" D{devices}" if devices != 1 else "")
+
+
+def json_key(key):
+  """The JSON name of a run: ``model/rate/variant``, ``/D<n>`` after it for n > 1
+  devices per worker."""
+  model, rate, variant, devices = key
+  return "/".join((model, rate, variant) + ((f"D{devices}",) if devices != 1 else ()))
+
+
 def _eval_seconds(run):
   """Training seconds at each evaluation, counted as ``time_to_accuracy`` does."""
   times = step_times(run)
   return [sum(times[:e["step"]]) for e in run["evaluations"]]
 
 
+def summarize_devices(model, rates, variants, devices_list, runs, floor, target):
+  """The rows of one model at every number of devices per worker: ``summarize`` per D
+  (a D > 1 borrows steps to the target from D = 1 when it reached it on no link), each
+  row with its ``devices_per_worker``, then the accuracy at the equal step and the
+  ratios across D and to +flat (``add_equal_step_accuracy``, ``device_ratios``).
+  ``runs`` is keyed ``(model, rate, variant, devices)``."""
+  def of(devices):
+    return {key[:3]: run for key, run in runs.items()
+            if key[0] == model and key[3] == devices}
+
+  rows = []
+  for devices in devices_list:
+    fallback = ("D1", of(1)) if devices != 1 and 1 in devices_list else None
+    for row in summarize(model, rates, variants, of(devices), floor, target, fallback):
+      if devices != 1 or not row.get("failed"):
+        row["devices_per_worker"] = devices
+      rows.append(row)
+  add_equal_step_accuracy(rows, {k: r for k, r in runs.items() if k[0] == model})
+  device_ratios(rows)
+  return rows
+
+
 def measure(args, models, rates, compressors, work):
-  """Every model's floor, then every link and variant: ``(rows, runs, floors, links)``."""
+  """Every model's floor, then every link, number of devices per worker and variant:
+  ``(rows, runs, floors, links)``; ``runs`` keyed ``(model, rate, variant, devices)``."""
   rows, runs, floors, links = [], {}, {}, {}
   for model in models:
     target = target_accuracy(args, model)
@@ -585,28 +815,31 @@ def measure(args, models, rates, compressors, work):
       with netns.LimitedNetwork(args.workers, rate) as net:
         links[rate] = net.throughput(0, 1)
         print(f"{model} {rate}: measured link {links[rate] / 1e6:.0f} Mbit/s", flush=True)
-        for compressor in compressors:
+        for devices, compressor in ((d, c) for d in args.devices for c in compressors):
           density = None
+          name = f"{model} {rate} D{devices} {compressor}"
           if compressor == "topk":
-            adacomp = runs.get((model, rate, "adacomp"), {})
+            adacomp = runs.get((model, rate, "adacomp", devices), {})
             if adacomp.get("failed") or not adacomp:
               print(f"{model} {rate}: topk skipped (it runs at AdaComp's density, and "
                     "the AdaComp run failed)", flush=True)
               continue
             density = (report.adacomp_elements_sent(adacomp["variables"])
                        / adacomp["parameters"])
-          run = cluster_run(args, net, model, compressor, work, density)
-          runs[(model, rate, compressor)] = run
+          run = cluster_run(args, net, model, compressor, work, density, devices)
+          runs[(model, rate, compressor, devices)] = run
           if run.get("failed"):
-            print(f"{model} {rate} {compressor}: FAILED ({run['return_codes']})", flush=True)
+            print(f"{name}: FAILED ({run['return_codes']})", flush=True)
           else:
-            print(f"{model} {rate} {compressor}: {len(run['step_seconds'])} steps, "
+            print(f"{name}: {len(run['step_seconds'])} steps, "
                   f"{1e3 * mean_step_seconds(run):.1f} ms/step, accuracy "
                   f"{run['evaluations'][-1]['accuracy'] if run['evaluations'] else '-'}, "
                   f"stopped: {run.get('stopped')}, to target "
-                  f"{_fmt(time_to_accuracy(run, target), '.1f', suffix=' s')}", flush=True)
+                  f"{_fmt(time_to_accuracy(run, target), '.1f', suffix=' s')}, link "
+                  f"{_bytes(link_bytes_per_step(run))}/step (sent "
+                  f"{_bytes(run['bytes_sent_per_step'])}/step)", flush=True)
     # Estimates need the fastest link's steps to the target: rows come after every link.
-    rows += summarize(model, rates, compressors, runs, floor, target)
+    rows += summarize_devices(model, rates, compressors, args.devices, runs, floor, target)
   return rows, runs, floors, links
 
 
@@ -623,6 +856,9 @@ def main(argv=None):
                       "density (adacomp before it); a suffix +gradients or +updates picks "
                       "CompressedOptimizer's exchange, +H8 rounds of 8 local steps "
                       "(averaged), +H8+nesterov with DiLoCo's outer Nesterov SGD")
+  parser.add_argument("--devices_per_worker", default="1",
+                      help="local replicas per worker, comma-separated (e.g. 1,2): every "
+                      "variant runs at each; the worker's batch stays --batch_size")
   parser.add_argument("--workers", type=int, default=2)
   parser.add_argument("--batch_size", type=int, default=64, help="per worker")
   parser.add_argument("--width", type=int, default=2048, help="the MLP's hidden width")
@@ -667,6 +903,10 @@ def main(argv=None):
       split_variant(variant)
     except ValueError as error:
       parser.error(str(error))
+  try:
+    args.devices = parse_devices(args.devices_per_worker, args.batch_size)
+  except ValueError as error:
+    parser.error(str(error))
   if args.workers < 2:
     parser.error(f"--workers must be >= 2. Received: workers={args.workers}")
   if args.eval_every < 1:
@@ -695,10 +935,11 @@ def main(argv=None):
   print_targets(rows)
   report.write_json(args.json, {
       "benchmark": "network", "workers": args.workers, "threads_per_worker": args.threads,
-      "batch_size_per_worker": args.batch_size, "machine": platform.platform(),
+      "batch_size_per_worker": args.batch_size, "devices_per_worker": args.devices,
+      "machine": platform.platform(),
       "cpus": os.cpu_count(), "measured_link_bits_per_second": links,
       "max_run_seconds": args.max_run_seconds, "targets": TARGETS, "compute_only": floors,
-      "rows": rows, "runs": {"/".join(key): run for key, run in runs.items()}})
+      "rows": rows, "runs": {json_key(key): run for key, run in runs.items()}})
   if args.plot:
     plot(rows, runs, floors, args.plot)
 

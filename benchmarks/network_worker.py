@@ -10,6 +10,18 @@ counted) every --eval_every steps, until --target_accuracy, --max_steps or
 
 With --local_steps=H the replicas hold weights of their own inside a round of H steps:
 accuracy is measured, and training stops, only at round ends (see ``eval_interval``).
+
+With --devices_per_worker=D > 1 the worker's strategy has D local replicas (D logical
+CPUs split before TensorFlow starts, or the first D GPUs), each on --batch_size / D
+examples: the worker's batch stays --batch_size whatever D. CompressedOptimizer then
+sums the worker's replicas locally and sends one payload per worker (the hierarchical
+exchange), or with --flat every replica's own (``hierarchical=False``).
+
+With --netns the worker reads its link's counters (``ip -n NETNS -s -j link show
+--link_device``; benchmarks/netns.py) before training, after step 1 (which may move
+one-off traffic: variables made at the first step are broadcast) and at the end: the
+bytes that really crossed its link per step (``link_bytes_per_step``: after step 1 to
+the end, divided by the steps), beside CompressedOptimizer's own ``bytes_sent``.
 """
 
 import argparse
@@ -35,6 +47,16 @@ def parse(argv=None):
   parser.add_argument("--outer_optimizer", default=None, choices=OUTER_OPTIMIZERS,
                       help="how a round's pseudo-update moves the weights (with "
                       "--local_steps; default: the library's)")
+  parser.add_argument("--devices_per_worker", type=int, default=1,
+                      help="local replicas per worker (logical CPUs, or the first GPUs); "
+                      "each trains on batch_size / devices_per_worker examples")
+  parser.add_argument("--flat", action="store_true",
+                      help="CompressedOptimizer(hierarchical=False): every replica sends "
+                      "its own payload (default: the library's, hierarchical with D > 1)")
+  parser.add_argument("--netns", default=None,
+                      help="the network namespace this worker runs in: read its link's "
+                      "counters (`ip -n NETNS -s -j link show LINK_DEVICE`)")
+  parser.add_argument("--link_device", default="eth0", help="the link's device in --netns")
   parser.add_argument("--topk_density", type=float, default=0.01)
   parser.add_argument("--width", type=int, default=2048, help="MLP hidden width")
   parser.add_argument("--batch_size", type=int, default=64, help="per worker")
@@ -55,7 +77,41 @@ def parse(argv=None):
     parser.error(f"--local_steps must be >= 1. Received: local_steps={args.local_steps}")
   if args.eval_every < 1:
     parser.error(f"--eval_every must be >= 1. Received: eval_every={args.eval_every}")
+  if args.devices_per_worker < 1 or args.batch_size % args.devices_per_worker:
+    parser.error(f"--devices_per_worker must be >= 1 and divide --batch_size (the "
+                 f"worker's batch). Received: devices_per_worker={args.devices_per_worker}, "
+                 f"batch_size={args.batch_size}")
   return args
+
+
+def link_per_step(begin, after_first, end, steps):
+  """Counters per step (benchmarks/netns.py's ``COUNTERS``): after the first step to the
+  end over the steps after the first (one-off traffic of step 1 left out); with one step,
+  the whole run's."""
+  import netns  # pylint: disable=g-import-not-at-top
+  if steps > 1 and after_first is not None:
+    delta, count = netns.counter_deltas(after_first, end), steps - 1
+  else:
+    delta, count = netns.counter_deltas(begin, end), max(steps, 1)
+  return {name: value / count for name, value in delta.items()}
+
+
+def with_hierarchical(tf_adacomp, hierarchical, build):
+  """``build()`` with every ``tf_adacomp.CompressedOptimizer`` it makes given
+  ``hierarchical`` (None: ``build()`` as it is). The examples' ``make_optimizer`` has no
+  such setting: its constructor is wrapped for the call only."""
+  if hierarchical is None:
+    return build()
+  real = tf_adacomp.CompressedOptimizer
+
+  def make(*args, **kwargs):
+    return real(*args, **dict(kwargs, hierarchical=hierarchical))
+
+  tf_adacomp.CompressedOptimizer = make
+  try:
+    return build()
+  finally:
+    tf_adacomp.CompressedOptimizer = real
 
 
 def eval_interval(eval_every, local_steps):
@@ -88,6 +144,7 @@ def main(argv=None):
   tf.config.threading.set_intra_op_parallelism_threads(args.threads)
   tf.config.threading.set_inter_op_parallelism_threads(args.threads)
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import netns  # pylint: disable=g-import-not-at-top
   import keras  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
 
@@ -99,13 +156,23 @@ def main(argv=None):
   from tf_adacomp.examples import optimizers  # pylint: disable=g-import-not-at-top
   from tf_adacomp.examples import fashion_mnist  # pylint: disable=g-import-not-at-top
 
+  devices = 1 if args.alone else args.devices_per_worker
   if args.alone:
     strategy, workers, index = tf.distribute.get_strategy(), 1, 0
   else:
     # At 10 Mbit/s one weight's initial broadcast (16 MB) holds the workers' connection
     # longer than TensorFlow's 10 s heartbeat timeout, which then declares them dead.
-    strategy = tf_adacomp.distribute.multi_worker_strategy(heartbeat_timeout=HEARTBEAT_S)
-    workers = strategy.num_replicas_in_sync
+    options = {}
+    if devices > 1:  # D local replicas: logical CPUs, made before TensorFlow starts
+      if not tf.config.list_physical_devices("GPU"):
+        tf_adacomp.distribute.split_logical_devices(devices)
+      options["devices_per_worker"] = devices
+    strategy = tf_adacomp.distribute.multi_worker_strategy(heartbeat_timeout=HEARTBEAT_S,
+                                                           **options)
+    if strategy.num_replicas_in_sync % devices:
+      raise RuntimeError(f"{strategy.num_replicas_in_sync} replicas are not "
+                         f"devices_per_worker={devices} per worker")
+    workers = strategy.num_replicas_in_sync // devices  # the global batch: per worker x this
     index = strategy.cluster_resolver.task_id
   # The MLP and the CNN train on the Fashion-MNIST example's data and settings; the CNN
   # and ResNet-20 are their examples' own build_model.
@@ -130,7 +197,9 @@ def main(argv=None):
   with strategy.scope():
     model = (build_mlp(args.width) if args.model == "mlp"
              else example.build_model(config, data))
-    optimizer = optimizers.make_optimizer(config, args.max_steps)
+    optimizer = with_hierarchical(
+        tf_adacomp, False if args.flat and not args.alone else None,
+        lambda: optimizers.make_optimizer(config, args.max_steps))
     # jit_compile=False: the floor and every cluster run are the same Keras program
     # (on a CPU-only host Keras' "auto" is False anyway; said here so it stays so).
     model.compile(optimizer=optimizer, jit_compile=False,
@@ -195,14 +264,47 @@ def main(argv=None):
       else:
         step_bytes.append(0.0 if args.alone else float(dense_bytes))
 
+  link = {}  # counters: "begin", "after_first_step", "end"
+
+  class LinkCounters(keras.callbacks.Callback):
+    """The link's counters before training, after step 1 (after the timer, which waits
+    for the step) and at the end (--netns only)."""
+
+    def _read(self, when):
+      link[when] = netns.link_counters(args.link_device, args.netns)
+
+    def on_train_begin(self, logs=None):
+      self._read("begin")
+
+    def on_train_batch_end(self, batch, logs=None):
+      if batch == 0:
+        self._read("after_first_step")
+
+    def on_train_end(self, logs=None):
+      self._read("end")
+
   dense_bytes = 4 * sum(int(np.prod(v.shape)) for v in model.trainable_variables)
   callbacks = [timer, StepBytes(), Evaluate()]
+  if args.netns and not args.alone:
+    callbacks.insert(1, LinkCounters())
   if compressed:
     callbacks.append(stats)
   model.fit(train, epochs=1, steps_per_epoch=args.max_steps, callbacks=callbacks,
             verbose=0, shuffle=False)
+  hierarchy = getattr(optimizer, "hierarchy", None) if compressed else None
   with open(args.out, "w") as f:
     json.dump({"worker": index, "workers": workers, "model": args.model,
+               "devices_per_worker": devices, "replicas": strategy.num_replicas_in_sync,
+               "flat": bool(args.flat), "hierarchical_argument": (
+                   getattr(optimizer, "hierarchical", None) if compressed else None),
+               # The optimizer's resolved hierarchy (None: the flat exchange).
+               "hierarchy": None if hierarchy is None else {
+                   "workers": getattr(hierarchy, "workers", None),
+                   "devices_per_worker": getattr(hierarchy, "devices_per_worker", None)},
+               "link_counters": link or None,
+               "link_bytes_per_step": link_per_step(
+                   link["begin"], link.get("after_first_step"), link["end"],
+                   len(timer.times)) if link else None,
                "compressor": args.compressor, "alone": args.alone,
                "local_steps": local_steps,
                "outer_optimizer": None if args.alone else args.outer_optimizer,

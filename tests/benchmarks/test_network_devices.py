@@ -1,0 +1,54 @@
+"""benchmarks/network.py with two devices per worker, end to end: 2 workers x 2 logical
+CPUs in namespaces, hierarchical and flat AdaComp beside dense, and the link's counters.
+(Real namespaces and worker processes, root only: slow tier.)"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import benchmark_scripts
+import netns
+
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not netns.available(), reason="needs root and iproute2 (ip netns, tc)")
+def test_two_devices_per_worker_hierarchical_flat_and_the_link_counters(tmp_path):
+  result = subprocess.run(
+      [sys.executable, os.path.join(benchmark_scripts.BENCHMARKS_DIR, "network.py"),
+       "--models=mlp", "--rates=100mbit", "--compressors=none,adacomp,adacomp+flat",
+       "--devices_per_worker=1,2", "--width=64", "--max_steps=4", "--eval_every=2",
+       "--target_accuracy=0.01", "--synthetic", f"--json={tmp_path / 'n.json'}",
+       "--plot="],
+      capture_output=True, text=True, env=ENV, timeout=900, check=False)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  assert "time_to_target_with_devices_no_worse_than_one_at_100mbit" in result.stdout
+  out = json.loads((tmp_path / "n.json").read_text())
+  assert out["devices_per_worker"] == [1, 2]
+  rows = {(r["compressor"], r["devices_per_worker"]): r for r in out["rows"]}
+  assert len(rows) == 6 and not any(r.get("failed") for r in rows.values())
+  runs = out["runs"]
+  for key, devices in (("mlp/100mbit/adacomp", 1), ("mlp/100mbit/adacomp/D2", 2),
+                       ("mlp/100mbit/adacomp+flat/D2", 2), ("mlp/100mbit/none/D2", 2)):
+    run = runs[key]
+    assert run["devices_per_worker"] == devices and run["replicas"] == 2 * devices
+    assert run["workers"] == 2 and run["batch_size_per_worker"] == 64
+    for link in run["link_bytes_per_step_workers"]:
+      assert link["tx_bytes"] > 0 and link["rx_bytes"] > 0
+  assert runs["mlp/100mbit/adacomp+flat/D2"]["flat"]
+  assert runs["mlp/100mbit/adacomp+flat/D2"]["hierarchical_argument"] is False
+  assert runs["mlp/100mbit/adacomp/D2"]["hierarchy"] is not None  # the library's default
+  # Dense sends every parameter every step: its link carries at least that.
+  dense = rows["none", 1]
+  assert dense["link_tx_bytes_per_step"] >= dense["bytes_sent_per_step"]
+  # Hierarchical: one payload per worker crosses the link; flat: each replica's.
+  assert (rows["adacomp", 2]["link_tx_bytes_per_step"]
+          < rows["adacomp+flat", 2]["link_tx_bytes_per_step"])
+  assert "time_to_target_over_one_device" in rows["adacomp", 2]
+  assert "accuracy_at_equal_step_over_flat" in rows["adacomp", 2]
+  leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+  assert "tfac" not in leftovers
