@@ -282,6 +282,7 @@ def _all_reduce(replicas, devices_per_worker, compressor, grads_of):
   return results, sum(ops.bytes_sent().values())
 
 
+@pytest.mark.slow  # the fast tier keeps the optimizer's hierarchy; this is the cross-device ops'
 def test_compressed_all_reduce_groups_are_exact_without_compression_and_identical():
   results, _ = _all_reduce(4, 2, "none", _integer_grads)
   expected = [sum(g) for g in zip(*(_numpy_integer_grads(r) for r in range(4)))]
