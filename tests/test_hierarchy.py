@@ -24,7 +24,8 @@ def _strategy(replicas):
   return tf_adacomp.distribute.mirrored_strategy(devices=DEVICES[:replicas])
 
 
-def _exchange(strategy, hierarchy, compressor, grads_of, states_of=None, reduction="sum"):
+def _exchange(strategy, hierarchy, compressor, grads_of, states_of=None, reduction="sum",
+              dense=None):
   """One ``replica_exchange`` on every replica: ``(sums, old states, new states, nbytes)``,
   each ``[replica][gradient]`` NumPy arrays (states: the residue, or an empty array)."""
   compressor = tf_adacomp.get_compressor(compressor)
@@ -41,6 +42,7 @@ def _exchange(strategy, hierarchy, compressor, grads_of, states_of=None, reducti
       replica = tf.distribute.get_replica_context().replica_id_in_sync_group
       states = initial_states(replica)
       out = exchange.replica_exchange(plans, grads_of(replica, plans), states,
+                                      None if dense is None else tf.constant(dense),
                                       hierarchy=hierarchy)
       first = lambda state: state[0] if state else tf.zeros([0])  # noqa: E731
       return (out.sums, [first(s) for s in states], [first(s) for s in out.states],
@@ -163,6 +165,24 @@ def test_error_feedback_total_is_kept_and_lives_on_each_workers_first_device(com
     # The second device of each worker handed its residue to the first.
     assert not np.any(new[k][1]) and not np.any(new[k][3])
     assert np.any(old[k][1])
+
+
+@pytest.mark.slow  # the warm-up's route (start_step) through the same collectives
+def test_a_warm_up_step_sends_float32_sums_and_keeps_the_residues():
+  strategy = _strategy(4)
+  hierarchy = hierarchy_lib.resolve(strategy, None, 2)
+  sums, old, new, _ = _exchange(strategy, hierarchy, "adacomp", _integer_grads,
+                                _with_residues, dense=True)
+  expected = [sum(g) for g in zip(*(_numpy_integer_grads(r) for r in range(4)))]
+  for k in range(len(SHAPES)):
+    # A warm-up step sends the float32 sums whole: the gradients, and the residues the
+    # second devices hand over; the first devices keep theirs.
+    handed_over = old[k][1] + old[k][3]
+    for value in sums[k]:
+      np.testing.assert_array_equal(value, expected[k] + handed_over)
+    np.testing.assert_array_equal(new[k][0], old[k][0])
+    np.testing.assert_array_equal(new[k][2], old[k][2])
+    assert not np.any(new[k][1]) and not np.any(new[k][3])
 
 
 @pytest.mark.slow  # five exchanges, each traced and compiled

@@ -27,9 +27,10 @@ it is told how many of them share a host.
 
 The collectives are TensorFlow's ``CollectiveReduceV2`` and ``CollectiveGatherV2``
 with group keys of their own, so that a group of some of the strategy's devices does
-not clash with the strategy's own groups (or with an earlier hierarchy's) and instance
-keys counted per group and device in the order a replica calls them, the same on every
-worker (every worker traces the same step).
+not clash with the strategy's own groups (or with an earlier hierarchy's), and instance
+keys from a counter per group and member that each call advances on the device (the
+n-th collective of a group has the same key on every member: every worker traces the
+same step).
 """
 
 import itertools
