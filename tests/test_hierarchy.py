@@ -110,6 +110,23 @@ def test_devices_per_worker_that_does_not_divide_the_replicas_is_refused_when_bu
       optimizer.build([keras.Variable(np.zeros([3], np.float32))])
 
 
+def test_group_keys_stay_clear_of_every_strategys_own():
+  # mirrored_strategy's k-th strategy numbers its groups from k * 100,000 + 1, TensorFlow's
+  # own from 1: the hierarchy's keys (its base .. base + workers) must be none of those.
+  from tf_adacomp import distribute  # pylint: disable=g-import-not-at-top
+  assert hierarchy_lib._KEY_BLOCK == distribute._COLLECTIVE_KEY_STEP  # pylint: disable=protected-access
+  assert hierarchy_lib._KEY_BLOCKS == distribute._COLLECTIVE_KEY_RANGES  # pylint: disable=protected-access
+  for _ in range(3):
+    hierarchy = hierarchy_lib.Hierarchy(hierarchy_lib._MAX_WORKERS, 2)  # pylint: disable=protected-access
+    low = hierarchy._key_base  # pylint: disable=protected-access
+    high = low + hierarchy.workers
+    block = low // distribute._COLLECTIVE_KEY_STEP  # pylint: disable=protected-access
+    assert block >= 1 and high // distribute._COLLECTIVE_KEY_STEP == block  # pylint: disable=protected-access
+    # Strategies reach a few hundred keys into their block; these start half-way.
+    assert low - block * distribute._COLLECTIVE_KEY_STEP >= 50_000  # pylint: disable=protected-access
+    assert high < 2**31
+
+
 def test_hierarchy_arguments_survive_get_config():
   optimizer = tf_adacomp.CompressedOptimizer(keras.optimizers.SGD(0.1), hierarchical=False,
                                              devices_per_worker=2)

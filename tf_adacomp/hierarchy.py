@@ -41,9 +41,16 @@ import tensorflow as tf
 
 from tf_adacomp.ops import checks
 
-# Group keys far above those TensorFlow's strategies count up from 1.
-_GROUP_KEY_START = 1_000_000
-_GROUP_KEYS_PER_HIERARCHY = 10_000
+# Group keys of their own. TensorFlow's strategies count theirs up from 1, and
+# distribute.mirrored_strategy gives its k-th strategy the block from k * 100,000
+# (distribute._COLLECTIVE_KEY_STEP, _COLLECTIVE_KEY_RANGES blocks), counting up from
+# there by a few keys: a hierarchy takes the upper half of one such block, where no
+# strategy reaches (a key of two groups of different devices aborts the process'
+# collectives: "joining a group with size 2, but that group has size 3").
+_KEY_BLOCK = 100_000
+_KEY_BLOCKS = 20_000
+_KEY_OFFSET = 50_000
+_MAX_WORKERS = _KEY_BLOCK - _KEY_OFFSET - 1  # keys base .. base + workers
 _hierarchies = itertools.count()
 
 
@@ -75,10 +82,10 @@ class Hierarchy:
   def __init__(self, workers: int, devices_per_worker: int):
     self.workers = checks.typed_int(workers, "workers", 1)
     self.devices_per_worker = checks.typed_int(devices_per_worker, "devices_per_worker", 1)
-    if self.workers >= _GROUP_KEYS_PER_HIERARCHY:
-      raise ValueError(f"`workers` must be below {_GROUP_KEYS_PER_HIERARCHY}. "
+    if self.workers > _MAX_WORKERS:
+      raise ValueError(f"`workers` must be at most {_MAX_WORKERS}. "
                        f"Received: workers={workers}")
-    self._key_base = _GROUP_KEY_START + _GROUP_KEYS_PER_HIERARCHY * next(_hierarchies)
+    self._key_base = ((next(_hierarchies) % _KEY_BLOCKS + 1) * _KEY_BLOCK + _KEY_OFFSET)
     self._resources = {}
     self._lock = threading.Lock()  # a MirroredStrategy traces its replicas in threads
 
