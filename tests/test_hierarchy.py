@@ -164,8 +164,8 @@ def _with_residues(replica, plans, states):
   return out
 
 
-@pytest.mark.parametrize("compressor", [
-    "adacomp", pytest.param("topk", marks=pytest.mark.slow)])  # fast tier: one of them
+@pytest.mark.parametrize("compressor", [  # fast tier: top-k, whose kernels compile sooner
+    pytest.param("adacomp", marks=pytest.mark.slow), "topk"])
 def test_error_feedback_total_is_kept_and_lives_on_each_workers_first_device(compressor):
   strategy = _strategy(4)
   hierarchy = hierarchy_lib.resolve(strategy, None, 2)

@@ -185,7 +185,8 @@ def _fit_tiny_model(strategy, initial_weights):
   return initial, model.get_weights(), history, evaluation, predictions
 
 
-@pytest.mark.parametrize("kind", ["mirrored", "default"])
+# The fast tier checks the default strategy; the 2-replica one runs with --full.
+@pytest.mark.parametrize("kind", [pytest.param("mirrored", marks=pytest.mark.slow), "default"])
 def test_fix_is_a_no_op_without_multi_worker(unpatched_keras, kind):
   def make_strategy():
     if kind == "mirrored":  # a plain MirroredStrategy with collective keys of its own
