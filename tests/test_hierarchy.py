@@ -363,7 +363,7 @@ def test_a_job_is_told_once_its_senders_reach_the_all_gathers_crossover(monkeypa
     net, _ = _fit(lambda d=devices_per_worker: tf_adacomp.CompressedOptimizer(
         keras.optimizers.SGD(0.1), "topk", devices_per_worker=d))
     optimizer = net.optimizer
-    optimizer._scaling_watch.join(timeout=30)  # pylint: disable=protected-access
+    optimizer._scaling_watch.join(timeout=60)  # pylint: disable=protected-access
     assert not optimizer._scaling_watch.is_alive()  # pylint: disable=protected-access
     assert len(calls) == 1 and calls[0][0] == senders, calls
     dense = sum(p.dense_nbytes for p in optimizer.plans if not p.summable)

@@ -961,6 +961,9 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     return cls(inner, **config)
 
 
+_SCALING_PAUSE_MAX_S = 30.0
+
+
 def _watch_scaling(optimizer) -> Optional[threading.Thread]:
   """Starts a daemon thread that calls ``optimizer.check_scaling()`` once it can tell
   (after the first compressed exchange), or None where it never could (one replica)."""
@@ -970,6 +973,7 @@ def _watch_scaling(optimizer) -> Optional[threading.Thread]:
 
   def watch():
     deadline = time.monotonic() + compile_log.GIVE_UP_S
+    pause = compile_log.POLL_S
     while time.monotonic() < deadline:
       watched = reference()
       if watched is None:
@@ -980,7 +984,10 @@ def _watch_scaling(optimizer) -> Optional[threading.Thread]:
       except Exception:  # pylint: disable=broad-except
         return  # the optimizer's variables are gone (its strategy ended)
       del watched
-      time.sleep(compile_log.POLL_S)
+      time.sleep(pause)
+      # Longer and longer pauses: an optimizer built but not yet (or never) stepped
+      # costs a wake-up every 30 s at most, not every half second.
+      pause = min(2 * pause, _SCALING_PAUSE_MAX_S)
 
   thread = threading.Thread(target=watch, daemon=True, name="tf_adacomp_scaling_check")
   thread.start()
