@@ -131,6 +131,17 @@ def test_set_initial_epoch_is_where_a_starting_fit_begins():
                    f"fit(epochs=3) set to start at 2 ran epochs {epochs}, not [2]")
 
 
+# The start of a fresh process's code: a TF_CONFIG cluster of one worker on a free port.
+ONE_WORKER_TF_CONFIG = textwrap.dedent("""
+    import json, os, socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{port}"]},
+                                          "task": {"type": "worker", "index": 0}})
+    """)
+
+
 def _result_lines_of_a_fresh_process(code):
   """Runs ``code`` in a new Python process (TensorFlow not yet started, no TF_CONFIG):
   its stdout lines starting with "RESULT", and the end of its stderr."""
@@ -166,13 +177,7 @@ def test_configure_coordination_service_is_kept_by_the_strategy():
                 "`multi_worker_util.coordination_leader`, `CoordinatedJob`",
                 "internals.configure_coordination_service (multi_worker_strategy's "
                 "heartbeat_timeout)")
-  code = textwrap.dedent("""
-      import json, os, socket
-      with socket.socket() as s:
-          s.bind(("127.0.0.1", 0))
-          port = s.getsockname()[1]
-      os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{port}"]},
-                                            "task": {"type": "worker", "index": 0}})
+  code = ONE_WORKER_TF_CONFIG + textwrap.dedent("""
       import tensorflow as tf
       from tensorflow.python.eager import context
       from tf_adacomp.compat import internals
@@ -194,13 +199,7 @@ def test_multi_worker_local_devices_are_the_strategys_devices():
   name, user = ("`CollectiveAllReduceExtended._initialize_local_devices`",
                 "internals.multi_worker_local_devices (multi_worker_strategy's "
                 "devices_per_worker)")
-  code = textwrap.dedent("""
-      import json, os, socket
-      with socket.socket() as s:
-          s.bind(("127.0.0.1", 0))
-          port = s.getsockname()[1]
-      os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{port}"]},
-                                            "task": {"type": "worker", "index": 0}})
+  code = ONE_WORKER_TF_CONFIG + textwrap.dedent("""
       import tensorflow as tf
       from tf_adacomp import distribute
       from tf_adacomp.compat import internals
