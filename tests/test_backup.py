@@ -170,3 +170,86 @@ def test_an_unbuilt_model_is_refused(tmp_path):
   with pytest.raises(ValueError, match="needs a built model"):
     callback.on_train_begin()
   assert tf.io.gfile.listdir(str(tmp_path)) == []
+
+
+def _backup_by_hand(directory, epochs, weights_from=None):
+  """Writes a backup (and with two epochs a previous one, ``*.bkp``) as the callback
+  does, without a fit: a model's weights and ``{"epoch": e, "batch": 0}``."""
+  model = weights_from or _model()
+  model.optimizer.build(model.trainable_variables)
+  for suffix, epoch in zip(("", ".bkp"), epochs):
+    model.save_weights(str(directory / backup_module.WEIGHTS_FILE))
+    if suffix:
+      os.replace(directory / backup_module.WEIGHTS_FILE,
+                 directory / (backup_module.WEIGHTS_FILE + suffix))
+      model.save_weights(str(directory / backup_module.WEIGHTS_FILE))
+    (directory / (backup_module.METADATA_FILE + suffix)).write_text(
+        json.dumps({"epoch": epoch, "batch": 0}))
+
+
+def _restore(directory):
+  """A fresh model restored by the callback's ``on_train_begin``; its initial epoch."""
+  model = _model()
+  model.build([None, 64])
+  callback = tf_adacomp.BackupAndRestore(str(directory), double_checkpoint=True)
+  callback.set_model(model)
+  callback.on_train_begin()
+  return model._initial_epoch  # pylint: disable=protected-access
+
+
+def test_a_torn_metadata_file_falls_back_to_the_previous_backup(tmp_path):
+  _backup_by_hand(tmp_path, epochs=(3, 2))
+  metadata = tmp_path / backup_module.METADATA_FILE
+  metadata.write_text('{"epoch": 3, "ba')  # torn: cut off mid-write
+  assert _restore(tmp_path) == 2  # the previous backup's epoch
+  assert metadata.read_text() == '{"epoch": 3, "ba'  # nothing deleted
+
+
+@pytest.mark.parametrize("content, problem", [
+    ('{"epoch": 3, "ba', "not valid JSON"),
+    ('{"batch": 0}', "no 'epoch'"),
+    ('{"epoch": "three", "batch": 0}', "'epoch'"),
+    ('[3]', "not a JSON object"),
+])
+def test_bad_metadata_without_a_previous_backup_is_refused_naming_the_file(
+    tmp_path, content, problem):
+  _backup_by_hand(tmp_path, epochs=(3,))
+  metadata = tmp_path / backup_module.METADATA_FILE
+  metadata.write_text(content)
+  with pytest.raises(ValueError) as error:
+    _restore(tmp_path)
+  message = str(error.value)
+  assert str(metadata) in message and problem in message, message
+  assert repr(content)[:20] in message, message  # what the file held
+  assert metadata.read_text() == content  # nothing deleted or rewritten
+
+
+def test_bad_metadata_in_both_backups_is_refused_naming_both_files(tmp_path):
+  _backup_by_hand(tmp_path, epochs=(3, 2))
+  for suffix in ("", ".bkp"):
+    (tmp_path / (backup_module.METADATA_FILE + suffix)).write_text("{}")
+  with pytest.raises(ValueError) as error:
+    _restore(tmp_path)
+  for suffix in ("", ".bkp"):
+    assert str(tmp_path / (backup_module.METADATA_FILE + suffix)) in str(error.value)
+
+
+def test_the_fingerprint_of_a_backup_reads_metadata_that_is_not_text(tmp_path):
+  # The workers compare fingerprints before any restore: a hand-edited (not UTF-8)
+  # metadata file must reach the restore's message, not fail in the comparison.
+  _backup_by_hand(tmp_path, epochs=(3,))
+  (tmp_path / backup_module.METADATA_FILE).write_bytes(b"\xff\xfe{")
+  found, digest = backup_module._backup_fingerprint(str(tmp_path))  # pylint: disable=protected-access
+  assert found and digest >= 0
+  (tmp_path / backup_module.METADATA_FILE).write_bytes(b"\xff\xfe[")
+  assert backup_module._backup_fingerprint(str(tmp_path))[1] != digest  # pylint: disable=protected-access
+
+
+def test_torn_weights_without_a_previous_backup_are_refused_naming_the_file(tmp_path):
+  # Starting over instead would overwrite the backup with the next save.
+  _backup_by_hand(tmp_path, epochs=(3,))
+  weights = tmp_path / backup_module.WEIGHTS_FILE
+  weights.write_bytes(weights.read_bytes()[:100])
+  with pytest.raises(ValueError, match=f"{weights}.*Received: backup_dir="):
+    _restore(tmp_path)
+  assert len(weights.read_bytes()) == 100

@@ -55,13 +55,16 @@ class BackupAndRestore(keras.callbacks.Callback):
       every worker reads (a shared filesystem).
     save_freq: "epoch" (default) or an int >= 1, the batches between backups.
     double_checkpoint: also keep the previous backup (``*.bkp``), restored when the
-      latest cannot be read.
+      latest cannot be read (torn or damaged weights, metadata that is not the JSON a
+      save writes).
     delete_checkpoint: delete the backup when training ends (default True, as Keras).
 
   Raises:
     ValueError: an empty ``backup_dir`` or a bad ``save_freq``; at the start of
-      training, an unbuilt model (as Keras), or workers that found different backups
-      (``backup_dir`` not a folder they share).
+      training, an unbuilt model (as Keras), workers that found different backups
+      (``backup_dir`` not a folder they share), or a backup that cannot be read with
+      no readable previous one (the message names each file and what is wrong; the
+      files are left as they are).
   """
 
   def __init__(self, backup_dir, save_freq="epoch", double_checkpoint=False,
@@ -94,32 +97,49 @@ class BackupAndRestore(keras.callbacks.Callback):
     # Before loading: a load under MultiWorkerMirroredStrategy runs collectives, so
     # workers that would load different backups (or some none) must not start.
     _check_same_backup_everywhere(self.model, self.backup_dir)
-    for suffix in ("", ".bkp"):  # the latest backup, else the previous one
+    # The latest backup, else the previous one. Every worker reads the same files, so
+    # every worker makes the same choice (a load runs collectives under
+    # MultiWorkerMirroredStrategy).
+    problems = []
+    for suffix in ("", ".bkp"):
       weights = os.path.join(self.backup_dir, WEIGHTS_FILE + suffix)
       if not tf.io.gfile.exists(weights):
         continue
+      metadata = os.path.join(self.backup_dir, METADATA_FILE + suffix)
       try:
-        self._restore(weights, os.path.join(self.backup_dir, METADATA_FILE + suffix))
-        break
-      except OSError:
-        if suffix:
-          raise
+        # The metadata first: it is cheap to check, and a bad one then leaves the
+        # weights unloaded.
+        epoch = _read_epoch(metadata)
+        self._load_weights(weights)
+      except (OSError, _BadMetadata) as error:
+        problems.append(str(error) if isinstance(error, _BadMetadata)
+                        else f"{weights}: cannot be loaded ({error})")
+        continue
+      if epoch is not None:
+        self._epoch = epoch
+        internals.set_initial_epoch(self.model, epoch)
+      return
+    if problems:
+      # Starting over would overwrite the backup at the next save: refuse, and leave
+      # the files as they are for whoever repairs or removes them.
+      raise ValueError(
+          "BackupAndRestore found a backup it cannot read, and no readable previous "
+          "backup (double_checkpoint=True keeps one): " + "; ".join(problems) + ". "
+          "Repair or remove the backup's files to resume or start over. Received: "
+          f"backup_dir={self.backup_dir!r}")
 
-  def _restore(self, weights, metadata):
+  def _load_weights(self, weights):
     if weights.endswith(".weights.h5"):
       self.model.load_weights(weights)
-    else:  # the previous backup: Keras reads only names ending in ".weights.h5"
-      scratch = tempfile.mkdtemp(prefix="backup-restore-")
-      try:
-        copy = os.path.join(scratch, WEIGHTS_FILE)
-        tf.io.gfile.copy(weights, copy)
-        self.model.load_weights(copy)
-      finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    if tf.io.gfile.exists(metadata):
-      with tf.io.gfile.GFile(metadata) as f:
-        self._epoch = int(json.load(f)["epoch"])
-      internals.set_initial_epoch(self.model, self._epoch)
+      return
+    # The previous backup: Keras reads only names ending in ".weights.h5".
+    scratch = tempfile.mkdtemp(prefix="backup-restore-")
+    try:
+      copy = os.path.join(scratch, WEIGHTS_FILE)
+      tf.io.gfile.copy(weights, copy)
+      self.model.load_weights(copy)
+    finally:
+      shutil.rmtree(scratch, ignore_errors=True)
 
   # --- Saving ------------------------------------------------------------------------
 
@@ -169,6 +189,44 @@ class BackupAndRestore(keras.callbacks.Callback):
         shutil.rmtree(directory, ignore_errors=True)
 
 
+class _BadMetadata(Exception):
+  """A backup's metadata file that is not what a save writes (torn, hand-edited)."""
+
+
+def _read_epoch(path):
+  """The epoch a resumed run starts at, from the metadata file ``path``.
+
+  Args:
+    path: a backup's metadata file (``{"epoch": int >= 0, ...}``, as Keras writes too).
+
+  Returns:
+    The epoch, or None when there is no such file (the weights alone are restored).
+
+  Raises:
+    _BadMetadata: the file is not valid JSON, not an object, or has no non-negative
+      integer "epoch"; the message names the file and what it holds (shortened).
+    OSError: the file cannot be read.
+  """
+  if not tf.io.gfile.exists(path):
+    return None
+  with tf.io.gfile.GFile(path, "rb") as f:
+    raw = f.read()
+  shown = raw.decode("utf-8", errors="replace")
+  shown = repr(shown if len(shown) <= 200 else shown[:200] + "...")
+  try:
+    content = json.loads(raw)
+  except ValueError as error:  # JSONDecodeError, UnicodeDecodeError
+    raise _BadMetadata(f"{path}: not valid JSON ({error}); it holds {shown}") from None
+  if not isinstance(content, dict):
+    raise _BadMetadata(f"{path}: not a JSON object; it holds {shown}")
+  if "epoch" not in content:
+    raise _BadMetadata(f"{path}: no 'epoch' key; it holds {shown}")
+  epoch = content["epoch"]
+  if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+    raise _BadMetadata(f"{path}: 'epoch' must be an integer >= 0; it holds {shown}")
+  return epoch
+
+
 def _replace(path, write):
   """``write(partial)`` to a temporary file beside ``path``, then renames it to ``path``
   (atomic on a POSIX filesystem: a reader sees the old file or the new one)."""
@@ -197,8 +255,10 @@ def _backup_fingerprint(backup_dir):
     size = tf.io.gfile.stat(path).length
     content = ""
     if name.startswith(METADATA_FILE):
-      with tf.io.gfile.GFile(path) as f:
-        content = f.read()
+      # Bytes: a metadata file that is not text (hand-edited) is compared too, and its
+      # message comes from the restore, the same on every worker.
+      with tf.io.gfile.GFile(path, "rb") as f:
+        content = f.read().hex()
     parts.append(f"{name}:{size}:{content}")
   found = tf.io.gfile.exists(os.path.join(backup_dir, WEIGHTS_FILE))
   digest = int.from_bytes(hashlib.sha256("|".join(parts).encode()).digest()[:8], "big") >> 1
