@@ -323,3 +323,38 @@ def test_base_argument_defaults_are_keras_own():
   for argument, default in optimizer_module._BASE_DEFAULTS.items():  # pylint: disable=protected-access
     assert argument in parameters, f"Keras' optimizer no longer takes {argument}"
     assert parameters[argument].default == default, argument
+
+
+def _optimizer_config():
+  return tf_adacomp.CompressedOptimizer(keras.optimizers.SGD(0.1),
+                                        tf_adacomp.AdaComp()).get_config()
+
+
+def test_from_config_without_the_inner_optimizer_is_refused_naming_the_key():
+  config = _optimizer_config()
+  del config["inner_optimizer"]
+  with pytest.raises(ValueError, match=r"'inner_optimizer'.*Received: config=\{'name': "):
+    tf_adacomp.CompressedOptimizer.from_config(config)
+
+
+@pytest.mark.parametrize("config, message", [
+    (None, r"`config` must be a dict.*Received: config=None"),
+    ([1], r"`config` must be a dict.*Received: config=\[1\]"),
+])
+def test_from_config_of_no_dict_is_refused_naming_it(config, message):
+  with pytest.raises(TypeError, match=message):
+    tf_adacomp.CompressedOptimizer.from_config(config)
+
+
+@pytest.mark.parametrize("key", ["inner_optimizer", "outer_optimizer"])
+def test_from_config_of_an_unknown_optimizer_class_names_the_key(key):
+  config = {**_optimizer_config(), key: {"class_name": "NoSuchOptimizer", "config": {}}}
+  with pytest.raises(ValueError, match=rf"`{key}`.*NoSuchOptimizer.*Received: {key}="):
+    tf_adacomp.CompressedOptimizer.from_config(config)
+
+
+def test_from_config_takes_an_inner_optimizer_already_built():
+  adam = keras.optimizers.Adam(0.01)
+  restored = tf_adacomp.CompressedOptimizer.from_config(
+      {**_optimizer_config(), "inner_optimizer": adam})
+  assert restored.inner_optimizer is adam

@@ -945,12 +945,50 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
 
   @classmethod
   def from_config(cls, config, custom_objects=None):
+    """Makes a ``CompressedOptimizer`` from a ``get_config()`` dict.
+
+    Args:
+      config: the dict ``get_config`` returns (older ones too); ``inner_optimizer`` a
+        serialized Keras optimizer (or an optimizer).
+      custom_objects: for Keras' deserialization of the inner and outer optimizers.
+
+    Returns:
+      The optimizer.
+
+    Raises:
+      TypeError: ``config`` is not a dict.
+      ValueError: ``config`` has no ``inner_optimizer``, or its ``inner_optimizer`` or
+        ``outer_optimizer`` cannot be deserialized (an unknown class: a custom
+        optimizer not registered or not in ``custom_objects``).
+    """
+    def shown(value):  # configs hold whole optimizers: keep messages readable
+      text = repr(value)
+      return text if len(text) <= 400 else text[:400] + "..."
+
+    if not isinstance(config, dict):
+      raise TypeError("`config` must be a dict, as CompressedOptimizer.get_config() "
+                      f"returns. Received: config={shown(config)}")
+    if "inner_optimizer" not in config:
+      raise ValueError(
+          "CompressedOptimizer.from_config needs the key 'inner_optimizer' (the "
+          "serialized inner optimizer, as get_config() writes it). Received: "
+          f"config={shown(config)}")
     config = dict(config)
-    inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"),
-                                                  custom_objects=custom_objects)
+
+    def deserialize(key, value):
+      if isinstance(value, keras.optimizers.Optimizer):
+        return value  # already an optimizer: nothing to deserialize
+      try:
+        return keras.saving.deserialize_keras_object(value, custom_objects=custom_objects)
+      except (TypeError, ValueError) as error:
+        # Keras' message does not say which of the config's optimizers it was.
+        raise ValueError(
+            f"`{key}` in the config of CompressedOptimizer cannot be deserialized "
+            f"({error}). Received: {key}={shown(value)}") from error
+
+    inner = deserialize("inner_optimizer", config.pop("inner_optimizer"))
     if isinstance(config.get("outer_optimizer"), dict):
-      config["outer_optimizer"] = keras.saving.deserialize_keras_object(
-          config["outer_optimizer"], custom_objects=custom_objects)
+      config["outer_optimizer"] = deserialize("outer_optimizer", config["outer_optimizer"])
     if "exchange" not in config and config.get("reduction", "sum") == "sum":
       # Saved before `exchange` existed: adasum_mode did nothing with reduction="sum"
       # (the gradient exchange ran), so keep that rather than refuse "delta" now.
