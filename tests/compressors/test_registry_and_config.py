@@ -241,3 +241,39 @@ def test_compressed_optimizer_from_a_newer_release_is_refused():
     keras.optimizers.deserialize(saved)
   del saved["config"]["compressor"]["version"]  # an optimizer saved before versions: loads
   assert keras.optimizers.deserialize(saved).compressor == tf_adacomp.TopK(0.05)
+
+
+@pytest.mark.parametrize("bin_sizes, match", [
+    ({"(": 64}, r"`bin_sizes` pattern '\(' is not a valid regular expression \(missing \)"),
+    ({"dense": 8, "[a-": 64}, r"`bin_sizes` pattern '\[a-' is not a valid regular"),
+    ({3: 64}, r"`bin_sizes` patterns must be strings.*Received: bin_sizes=\{3: 64\}"),
+])
+def test_adacomp_refuses_a_bad_bin_sizes_pattern_when_built(bin_sizes, match):
+  # In the constructor, not at the first plan(): the error names the argument.
+  with pytest.raises(ValueError, match=match):
+    tf_adacomp.AdaComp(bin_sizes=bin_sizes)
+
+
+def test_a_config_with_a_bad_bin_sizes_pattern_is_refused_naming_it():
+  config = tf_adacomp.serialize_compressor(tf_adacomp.AdaComp())
+  config["config"]["bin_sizes"] = {"(": 64}
+  match = r"`bin_sizes` pattern '\(' is not a valid regular expression"
+  with pytest.raises(ValueError, match=match):
+    tf_adacomp.get_compressor(config)
+  with pytest.raises(ValueError, match=match):
+    tf_adacomp.AdaComp.from_config(config["config"])
+  saved = keras.saving.serialize_keras_object(tf_adacomp.AdaComp())
+  saved["config"]["bin_sizes"] = {"(": 64}
+  with pytest.raises(ValueError, match=match):
+    keras.saving.deserialize_keras_object(saved)
+  optimizer = tf_adacomp.CompressedOptimizer(keras.optimizers.SGD(0.1), tf_adacomp.AdaComp())
+  saved = keras.optimizers.serialize(optimizer)
+  saved["config"]["compressor"]["config"]["bin_sizes"] = {"(": 64}
+  with pytest.raises(ValueError, match=match):
+    keras.optimizers.deserialize(saved)
+
+
+def test_bin_sizes_values_are_stored_as_ints():
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  compressor = tf_adacomp.AdaComp(bin_sizes={"x": np.int64(7)})
+  assert type(compressor.get_config()["bin_sizes"]["x"]) is int  # JSON-serializable

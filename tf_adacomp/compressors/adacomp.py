@@ -1,5 +1,7 @@
 """AdaComp: adaptive residual gradient compression (Chen et al., AAAI 2018)."""
 
+import re
+
 import keras
 import tensorflow as tf
 
@@ -40,7 +42,8 @@ class AdaComp(base.Compressor):
       payload per tensor.
 
   Raises:
-    ValueError: a bin size < 1, ``max_density`` outside (0, 1], ``min_size`` < 0,
+    ValueError: a bin size < 1, a ``bin_sizes`` pattern that is not a string or not a
+      valid regular expression, ``max_density`` outside (0, 1], ``min_size`` < 0,
       ``scale`` not "tensor" or "bin", ``fuse`` not a bool.
   """
 
@@ -54,9 +57,20 @@ class AdaComp(base.Compressor):
     if bin_sizes is not None and not isinstance(bin_sizes, dict):
       raise ValueError(f"`bin_sizes` must be a dict of regex -> bin size. "
                        f"Received: bin_sizes={bin_sizes!r}")
-    self.bin_sizes = dict(bin_sizes or {})
-    for pattern, size in self.bin_sizes.items():
-      checks.positive_int(size, f"bin_sizes[{pattern!r}]")
+    self.bin_sizes = {}
+    for pattern, size in (bin_sizes or {}).items():
+      # Here, not at the first plan(): that error would name neither the argument nor
+      # the entry, and come only once training starts.
+      if not isinstance(pattern, str):
+        raise ValueError(f"`bin_sizes` patterns must be strings (regular expressions). "
+                         f"Received: bin_sizes={bin_sizes!r}")
+      try:
+        re.compile(pattern)
+      except re.error as error:
+        raise ValueError(f"`bin_sizes` pattern {pattern!r} is not a valid regular "
+                         f"expression ({error}). Received: bin_sizes={bin_sizes!r}") from None
+      # An int, not e.g. a NumPy integer: the config must stay JSON-serializable.
+      self.bin_sizes[pattern] = checks.positive_int(size, f"bin_sizes[{pattern!r}]")
     self.max_density = checks.fraction(max_density, "max_density")
     self.scale = adacomp_ops.check_scale(scale, bin_size=1)
     self.fuse = checks.boolean(fuse, "fuse")
