@@ -3,8 +3,7 @@
 - ``split_logical_devices(4)``: four logical CPUs (or GPUs) out of one, for
   ``MirroredStrategy`` with real collectives on a single device;
 - ``mirrored_strategy("adacomp")``: ``MirroredStrategy`` whose all-reduce exchanges
-  compressed gradients (``tf_adacomp.cross_device_ops.CompressedAllReduce``); every
-  strategy it builds has collective keys of its own (see ``mirrored_strategy``);
+  compressed gradients (``tf_adacomp.cross_device_ops.CompressedAllReduce``);
 - ``multi_worker_strategy()``: ``MultiWorkerMirroredStrategy`` from ``TF_CONFIG``, with
   the Keras fix that makes ``model.fit`` work under it
   (``tf_adacomp.compat.keras_multi_worker``);
@@ -13,6 +12,16 @@
 
 Under ``MultiWorkerMirroredStrategy`` the cross-device ops cannot be replaced, so
 compression there goes through ``tf_adacomp.CompressedOptimizer`` instead.
+
+Importing this module (``import tf_adacomp`` does) gives every ``tf.distribute.MirroredStrategy``
+made afterwards, the user's own included, collective keys of its own. TensorFlow numbers
+every ``MirroredStrategy``'s collectives from the same keys (group 1, instance 100), and
+its runtime keeps the shape and group size it first saw under a key for the whole
+process: without this, a second strategy in one process (a notebook that trains a dense
+model, then a compressed one; a checkpoint of 4 replicas restored onto 2) fails with
+"Shape mismatch in the collective instance 100" or "joining a group with size 2, but
+that group has size 4 (group_key=1)", and aborts every later collective of the process.
+(Through ``MirroredStrategy._collective_key_base``: see ``compat.internals``.)
 """
 
 import hashlib
@@ -31,12 +40,21 @@ from tf_adacomp.ops import checks
 
 __all__ = ["mirrored_strategy", "multi_worker_strategy", "split_logical_devices", "tf_config"]
 
-# Collective key ranges for the strategies mirrored_strategy builds (see there). TensorFlow's
-# own tests space them the same way (tensorflow/python/distribute/strategy_combinations.py);
-# group keys are int32, so the ranges wrap around after 20000 strategies.
+# Collective key ranges of the MirroredStrategy objects made in this process (see the
+# module doc). TensorFlow's own tests space them the same way
+# (tensorflow/python/distribute/strategy_combinations.py); group keys are int32, so the
+# ranges wrap around after 20000 strategies.
 _COLLECTIVE_KEY_STEP = 100_000
 _COLLECTIVE_KEY_RANGES = 20_000
 _collective_key_counter = itertools.count(1)
+
+
+def _next_collective_key_base() -> int:
+  """The first group key, minus one, of the next ``MirroredStrategy``."""
+  return (next(_collective_key_counter) % _COLLECTIVE_KEY_RANGES + 1) * _COLLECTIVE_KEY_STEP
+
+
+internals.own_collective_keys_per_strategy(_next_collective_key_base)
 
 
 def split_logical_devices(count: int, device_type: str = "CPU",
@@ -120,13 +138,8 @@ def mirrored_strategy(compressor=None, devices: Optional[Sequence[str]] = None,
       (e.g. a configured ``CompressedAllReduce``) for the strategy.
     **compressor_kwargs: constructor arguments of the named compressor.
 
-  Every strategy built here numbers its collectives from a key range of its own.
-  ``tf.distribute.MirroredStrategy`` objects all start from the same keys (group 1,
-  instance 100), and TensorFlow keeps the shape it first saw under a key for the whole
-  process: after one strategy has trained a model, a second one over the same devices
-  training a model of another size fails with "Shape mismatch in the collective
-  instance 100", and aborts the collectives of the process. (The range is set through
-  ``MirroredStrategy._collective_key_base``, on the instance only: see ``compat.internals``.)
+  Like every ``MirroredStrategy`` made once ``tf_adacomp`` is imported, the strategy
+  numbers its collectives from a key range of its own (see the module doc).
 
   Returns:
     ``tf.distribute.MirroredStrategy(devices)`` without a compressor; with one,
@@ -163,14 +176,8 @@ def mirrored_strategy(compressor=None, devices: Optional[Sequence[str]] = None,
 
 
 def _new_mirrored_strategy(devices, cross_device_ops=None):
-  """``MirroredStrategy(devices, cross_device_ops)`` with collective keys of its own."""
-  cls = tf.distribute.MirroredStrategy
-  strategy = cls.__new__(cls)
-  # MirroredExtended.__init__ reads the base from the strategy: set on this instance only.
-  key_range = next(_collective_key_counter) % _COLLECTIVE_KEY_RANGES + 1
-  internals.set_collective_key_base(strategy, key_range * _COLLECTIVE_KEY_STEP)
-  strategy.__init__(devices, cross_device_ops=cross_device_ops)
-  return strategy
+  """``MirroredStrategy(devices, cross_device_ops)`` (with collective keys of its own)."""
+  return tf.distribute.MirroredStrategy(devices, cross_device_ops=cross_device_ops)
 
 
 # The task types TensorFlow allows in a cluster (multi_worker_util._validate_cluster_spec),

@@ -66,20 +66,20 @@ def test_cross_device_ops_of_is_what_the_strategy_reduces_with():
   assert internals.cross_device_ops_of(object()) is None
 
 
-def test_set_collective_key_base_moves_the_strategys_collective_keys():
-  name, user = "`MirroredStrategy._collective_key_base`", "internals.set_collective_key_base"
+def test_own_collective_keys_per_strategy_gives_each_strategy_its_own_group_keys():
+  name = "`MirroredStrategy._collective_key_base`"
+  user = "internals.own_collective_keys_per_strategy (tf_adacomp.distribute)"
   cls = tf.distribute.MirroredStrategy
-  base = 12_300_000
-  strategy = cls.__new__(cls)
   with canaries.watching(name, user):
-    internals.set_collective_key_base(strategy, base)
-    strategy.__init__(CPUS)
-    group_key = strategy.extended._collective_keys.get_group_key(CPUS)  # pylint: disable=protected-access
-  canaries.require(group_key > base, name, user,
-                   f"read by MirroredExtended.__init__ as the first group key: a base of "
-                   f"{base} gave group key {group_key}")
+    # tf_adacomp.distribute installed it on import; installing again changes nothing.
+    internals.own_collective_keys_per_strategy(lambda: 0)
+    first, second = cls(CPUS), cls(CPUS)
+    keys = [s.extended._collective_keys.get_group_key(CPUS) for s in (first, second)]  # pylint: disable=protected-access
+  canaries.require(keys[0] != keys[1] and min(keys) > 1, name, user,
+                   f"read by MirroredExtended.__init__ as the first group key: two "
+                   f"strategies over the same devices got group keys {keys}")
   canaries.require(cls._collective_key_base == 0, name, user,  # pylint: disable=protected-access
-                   "set on one instance, the class keeps its own")
+                   "read on the class, TensorFlow's base")
 
 
 def test_flatten_layers_gives_every_nested_layer():

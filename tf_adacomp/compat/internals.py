@@ -13,9 +13,12 @@ Accessors
   ``CrossDeviceOps`` a ``MirroredStrategy`` reduces with (TensorFlow has no public
   getter). Used by ``callbacks.CompressionStats`` (to find a ``CompressedAllReduce``)
   and ``CompressedAllReduce.of`` (the one to add to a checkpoint).
-- ``set_collective_key_base(strategy, base)``: ``MirroredStrategy._collective_key_base``,
-  read by ``MirroredExtended.__init__``, set on one instance before ``__init__``. Used by
-  ``distribute.mirrored_strategy`` (collective keys of its own per strategy).
+- ``own_collective_keys_per_strategy(allocate)``: ``MirroredStrategy._collective_key_base``,
+  which ``MirroredExtended.__init__`` reads as the start of the strategy's collective keys
+  (0 for every instance in TensorFlow), replaced on the class by a descriptor that gives
+  each instance a base of its own from ``allocate()``. Used by ``tf_adacomp.distribute``
+  when it is imported, so that every ``MirroredStrategy`` made after that (the user's own
+  included) numbers its collectives from a key range of its own.
 - ``flatten_layers(model)``: ``keras.Layer._flatten_layers(include_self, recursive)``,
   every nested layer, not only ``model.layers``. Used by ``resist.model.partitionable_blocks``.
 - ``in_multi_worker_mode(strategy)``: ``strategy.extended._in_multi_worker_mode()`` of
@@ -90,7 +93,9 @@ package imports no ``keras.src`` module but through ``keras_tensorflow_trainer``
 
 import contextlib
 import importlib
-from typing import List
+from typing import Callable, List
+
+import tensorflow as tf
 
 from tensorflow.python.eager import context
 
@@ -104,7 +109,7 @@ __all__ = [
     "keras_tensorflow_trainer",
     "multi_worker_local_devices",
     "own_distribute_strategy",
-    "set_collective_key_base",
+    "own_collective_keys_per_strategy",
     "set_initial_epoch",
     "uses_weight_decay",
 ]
@@ -172,16 +177,50 @@ def multi_worker_local_devices(device_type: str, count: int):
     extended._initialize_local_devices = original  # pylint: disable=protected-access
 
 
-def set_collective_key_base(strategy, base: int) -> None:
-  """Sets where ``strategy`` numbers its collective keys from.
+class _CollectiveKeyBasePerInstance:
+  """``MirroredStrategy._collective_key_base`` as a descriptor: a base per instance.
+
+  Read on an instance (by ``MirroredExtended.__init__``), it gives the base that instance
+  was given or allocates one; read on the class, TensorFlow's 0. Assigning on an instance
+  sets that instance's base.
+  """
+
+  _SLOT = "_tf_adacomp_collective_key_base"
+
+  def __init__(self, allocate: Callable[[], int]):
+    self.allocate = allocate
+
+  def __get__(self, strategy, owner=None):
+    if strategy is None:
+      return 0
+    state = vars(strategy)
+    if self._SLOT not in state:
+      state[self._SLOT] = self.allocate()
+    return state[self._SLOT]
+
+  def __set__(self, strategy, base):
+    vars(strategy)[self._SLOT] = base
+
+
+def own_collective_keys_per_strategy(allocate: Callable[[], int]) -> None:
+  """Gives every ``tf.distribute.MirroredStrategy`` made from now on its own collective keys.
+
+  TensorFlow starts every ``MirroredStrategy``'s group keys at 1 and instance keys at 100,
+  and the runtime keeps the shape and group size it first saw under a key for the whole
+  process: a second strategy whose collectives differ (another model, another number of
+  replicas) fails with "Shape mismatch in the collective instance 100" or "joining a
+  group with size 2, but that group has size 4", and every later collective of the
+  process is aborted. With this, each instance reads its own base (TensorFlow's own tests
+  move the class's base by hand between strategies for the same reason). Idempotent:
+  installed once; a class base set by hand afterwards (an int) replaces the descriptor.
 
   Args:
-    strategy: a ``MirroredStrategy`` made with ``__new__``, not yet initialised: its
-      ``__init__`` reads the base. The class keeps its own base; only this instance
-      changes.
-    base: the first group key minus one.
+    allocate: called once per strategy, returns the strategy's base (its first group key
+      minus one).
   """
-  strategy._collective_key_base = base  # pylint: disable=protected-access
+  cls = tf.distribute.MirroredStrategy
+  if not isinstance(cls.__dict__.get("_collective_key_base"), _CollectiveKeyBasePerInstance):
+    cls._collective_key_base = _CollectiveKeyBasePerInstance(allocate)  # pylint: disable=protected-access
 
 
 def flatten_layers(model, include_self: bool = False) -> List:
