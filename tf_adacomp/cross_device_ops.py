@@ -3,9 +3,9 @@
     strategy = tf.distribute.MirroredStrategy(
         cross_device_ops=tf_adacomp.CompressedAllReduce(tf_adacomp.AdaComp()))
 
-Every all-reduce of the strategy's replicas (Keras' gradient all-reduce in
-``model.fit``, ``ReplicaContext.all_reduce`` in a custom loop, ``strategy.reduce``)
-goes through it: the floating-point tensors of one batch are compressed on their own
+The all-reduces of the strategy's replicas (``strategy.extended.batch_reduce_to``: Keras'
+gradient all-reduce in ``model.fit``, ``ReplicaContext.all_reduce`` in a custom loop)
+go through it: the floating-point tensors of one batch are compressed on their own
 device, with one residue per device and per tensor kept across steps, only the compact
 payloads are copied to the destination devices, and each destination decodes and sums
 them in device order (bit-identical on every device; each destination device holds its
@@ -13,6 +13,13 @@ own result). This is ``exchange.Exchange.local_exchange``, the engine that the
 optimizer wrapper runs with collectives. IndexedSlices, integer tensors, scalars (losses,
 metric totals and counts) and tensors without a static shape are reduced exactly
 (uncompressed), under every compressor and reduction.
+
+``strategy.reduce`` does not go through it, and is exact: that is TensorFlow's dispatch
+(2.21), not this object's. ``strategy.reduce`` reduces to the current device or the host
+CPU, and ``MirroredStrategy`` hands a ``strategy.extended.reduce_to`` whose destinations
+include a CPU, or are not the value's own devices, to ``ReductionToOneDevice`` instead of
+its cross-device ops; only a ``reduce_to`` onto the value's own accelerators reaches this
+object (tests/test_cross_device_ops_paths.py pins what reaches it).
 
 With ``reduction="adasum"`` the devices' decoded tensors are combined with Adasum
 (``ops.adasum_reduce``) instead of added: a MEAN reduction returns their Adasum (equal tensors
