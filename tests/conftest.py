@@ -4,8 +4,9 @@
   mechanics on small models, configuration and error cases). Tests marked
   ``@pytest.mark.slow`` (several processes, the examples' and benchmarks' runs, packaging,
   the CLI) run only with ``--full``, the README's second command and CI.
-- A cache directory per run (``XDG_CACHE_HOME``) for the processes the tests start, so
-  that nothing is written to the user's own cache.
+- A cache directory per run (``XDG_CACHE_HOME``) for the processes the tests start, and
+  no persistent XLA cache directory from the user's ``TF_XLA_FLAGS``, so that nothing is
+  written to the user's own cache.
 - Several devices on one CPU let the distribution tests run MirroredStrategy with real
   collectives on a 2-core machine.
 """
@@ -26,6 +27,15 @@ _CACHE_OWNER = "TF_ADACOMP_TEST_CACHE"  # "pid:directory" of the process that ma
 if _CACHE_OWNER not in os.environ:
   os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="tf_adacomp-test-cache-")
   os.environ[_CACHE_OWNER] = f"{os.getpid()}:{os.environ['XDG_CACHE_HOME']}"
+# A cache directory in the user's TF_XLA_FLAGS (docs/performance.md shows how to set one)
+# would win over XDG_CACHE_HOME (xla_cache.enable keeps the environment's choice): the
+# test processes and every process they start would write their programs there. The
+# run's other XLA flags stay.
+_PERSISTENT_CACHE = "--tf_xla_persistent_cache_directory="
+if _PERSISTENT_CACHE in os.environ.get("TF_XLA_FLAGS", ""):
+  os.environ["TF_XLA_FLAGS"] = " ".join(
+      flag for flag in os.environ["TF_XLA_FLAGS"].split()
+      if not flag.startswith(_PERSISTENT_CACHE))
 
 # The tests compile hundreds of small XLA programs, most run a few times on small
 # tensors: LLVM's optimisation passes cost more compile time than they save there (about

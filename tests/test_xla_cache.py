@@ -73,3 +73,20 @@ def test_the_default_directory_is_per_user_and_per_tensorflow_version(monkeypatc
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   monkeypatch.setenv("XDG_CACHE_HOME", "/home/u/.cache")
   assert xla_cache.default_directory() == f"/home/u/.cache/tf_adacomp/xla/tf-{tf.__version__}"
+
+
+def test_the_test_run_keeps_compiled_programs_out_of_the_users_cache():
+  # tests/conftest.py: what the examples the tests start would use (they inherit this
+  # process's environment; a fresh interpreter reads it as they do, and fast: no TF).
+  run_cache = os.environ["TF_ADACOMP_TEST_CACHE"].partition(":")[2]
+  user_cache = os.path.join(os.path.expanduser("~"), ".cache")
+  seen = subprocess.run(
+      [sys.executable, "-c", "import os; print(os.environ.get('XDG_CACHE_HOME', '')); "
+       "print(os.environ.get('TF_XLA_FLAGS', ''))"],
+      capture_output=True, text=True, timeout=60, check=True).stdout.splitlines()
+  assert seen[0] == run_cache != user_cache
+  assert xla_cache.default_directory().startswith(run_cache + os.sep)
+  # No persistent cache directory from the user's TF_XLA_FLAGS: it would win over
+  # XDG_CACHE_HOME (enable() keeps the environment's choice).
+  assert xla_cache.FLAG not in seen[1]
+  assert xla_cache.current_directory() is None
