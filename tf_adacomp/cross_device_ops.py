@@ -45,8 +45,23 @@ checkpoint to keep them::
 
 ``model.save`` and Keras' ``ModelCheckpoint`` and ``BackupAndRestore`` cannot hold them:
 use ``CompressedOptimizer`` if they must travel with a Keras model.
+
+A checkpoint holds each tensor's states as one stacked tensor per state (the devices'
+values along a new first axis), so that its structure does not depend on the number of
+devices. A restore with as many devices as the save gives each device its own values
+back; with another number it keeps the total over devices, the error feedback not yet
+sent: each device gets the saved sum / devices of a floating state, and the first saved
+device's value of an integer one (the FFT compressor's step counter), as
+``CompressedOptimizer``'s on-read residues do. A restore before the first reduction is
+applied when the states are made. Checkpoints written before this layout (one variable
+per device and state) load with as many devices as they were written with or more (the
+extra devices start at zero); with fewer, the restore raises a ValueError rather than
+drop the other devices' residues. (With ``devices_per_worker``, the devices here are the
+groups' senders. A strategy over one device never calls its cross-device ops: restored
+there, the residues have nowhere to go and stay in the checkpoint, unread.)
 """
 
+import collections.abc
 import copy
 import logging
 
@@ -110,7 +125,7 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
     self.devices_per_worker = hierarchy_lib.check_devices_per_worker(devices_per_worker)
     self._exchange = exchange_lib.Exchange(compressor, reduction)
     self._exact = tf.distribute.ReductionToOneDevice()
-    self.residues = {}   # key -> [per device: [state variables]]
+    self.residues = {}   # key -> _DeviceStates: [per device: [state variables]]
     self.steps = {}      # key of an exchange's first tensor -> int64 variable: reductions done
     self.nbytes = {}     # key -> int64 variable: bytes one device sent last time
     self._plans = {}     # key -> TensorPlan (static, not checkpointed)
@@ -255,7 +270,11 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         with tf.device(devices[0]):
           self.nbytes[key] = resource_variable_ops.ResourceVariable(
               tf.zeros([], tf.int64), trainable=False, name="nbytes")
-        self.residues[key] = per_device
+        # Tracked once its variables exist: a restore made before the first reduction
+        # (deferred by the checkpoint until this key appears) is applied here. A tensor
+        # sent dense holds no state: its empty lists save nothing, and a checkpoint's
+        # assert_consumed does not wait for them.
+        self.residues[key] = _DeviceStates(per_device) if per_device[0] else per_device
     return self.residues[key]
 
   def _step_for(self, keys):
@@ -279,6 +298,87 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
   def compression_stats(self):
     """Bytes of the last reduction per tensor kind and in total (see ``stats``)."""
     return stats.summarize(self.variable_bytes())
+
+
+class _DeviceStates(tf.__internal__.tracking.Trackable, collections.abc.Sequence):
+  """One tensor's compressor states on each device: ``states[d][s]``, a variable.
+
+  Checkpointed as one tensor per state, ``state_{s}``: the devices' values stacked along
+  a new first axis, so that the checkpoint's object graph (which a deferred restore
+  matches by path) is the same whatever the number of devices. A restore with the saved
+  number of devices gives each its own values; with another number, every device gets
+  the saved total / devices of a floating state (the sum, in device order, of what the
+  devices had still to send) and the first saved device's value of an integer one.
+  Checkpoints of the earlier layout (children ``{d}/{s}``, one variable each) restore
+  through ``_lookup_dependency``.
+  """
+
+  def __init__(self, per_device):
+    self._per_device = per_device
+    self._legacy = [_LegacyDeviceStates(states) for states in per_device]
+
+  def __getitem__(self, index):
+    return self._per_device[index]
+
+  def __len__(self):
+    return len(self._per_device)
+
+  def _serialize_to_tensors(self):
+    # Stacked on the host: a checkpoint is written from there, and the devices' copies
+    # would otherwise all land on the first device.
+    with tf.device("/cpu:0"):
+      return {f"state_{s}": tf.stack([states[s].read_value() for states in self._per_device])
+              for s in range(len(self._per_device[0]))}
+
+  def _restore_from_tensors(self, restored_tensors):
+    devices = len(self._per_device)
+    updates = []
+    for s in range(len(self._per_device[0])):
+      saved = restored_tensors[f"state_{s}"]
+      saved_devices = saved.shape[0]
+      if saved_devices == devices:
+        values = [saved[d] for d in range(devices)]
+      elif saved.dtype.is_floating:
+        total = saved[0]
+        for d in range(1, saved_devices):  # device order, as the exchange sums
+          total += saved[d]
+        values = [total / devices] * devices
+      else:
+        values = [saved[0]] * devices
+      for states, value in zip(self._per_device, values):
+        with tf.device(states[s].device):
+          updates.append(states[s].assign(value))
+    return tf.group(updates)
+
+  def _lookup_dependency(self, name, cached_dependencies=None):
+    # Only a checkpoint of the earlier layout has children here (this object saves none).
+    del cached_dependencies
+    if not name.isdigit():
+      return None
+    device = int(name)
+    if device >= len(self._legacy):
+      raise ValueError(
+          f"This checkpoint holds CompressedAllReduce residues in the layout of earlier "
+          f"tf_adacomp versions (one variable per device), written with more devices than "
+          f"this strategy's {len(self._legacy)}: restoring it would drop the residues of "
+          f"the other devices. Restore it with as many devices as it was written with "
+          f"and save it again: this version's checkpoints restore with any number of "
+          f"devices. Received: a residue of device {device}")
+    return self._legacy[device]
+
+
+class _LegacyDeviceStates(tf.__internal__.tracking.Trackable):
+  """One device's states where checkpoints of the earlier layout keep them: children
+  ``0``, ``1``, ... (the variables). Restores them; saves nothing."""
+
+  def __init__(self, states):
+    self._states = states
+
+  def _lookup_dependency(self, name, cached_dependencies=None):
+    del cached_dependencies
+    if name.isdigit() and int(name) < len(self._states):
+      return self._states[int(name)]
+    return None
 
 
 def _group_total(tensors, device, mean: bool):
