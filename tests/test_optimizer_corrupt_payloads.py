@@ -1,9 +1,12 @@
 """CompressedOptimizer receiving corrupt payloads: the step is skipped, nothing is lost.
 
 The gathered AdaComp payloads are corrupted in transit (between the all-gather and the
-decoders, as a faulty link or a hostile peer would), on 2 replicas of MirroredStrategy.
-The decoders mark what they cannot trust as NaN (tests/ops/test_hostile_payloads.py),
-and the optimizer then leaves weights and residues as they were on every replica.
+decoders, as a faulty link or a hostile peer would), on 2 replicas of MirroredStrategy:
+their words (the rank-1 int32 gather), or their lengths (the rank-2 int32 gather,
+``[replicas, payloads]``). The decoders mark what they cannot trust as NaN
+(tests/ops/test_hostile_payloads.py), ``exchange.Exchange.decode`` marks lengths that do
+not add up (tests/test_exchange_lengths.py), and the optimizer then leaves weights and
+residues as they were on every replica.
 """
 
 import keras
@@ -30,26 +33,58 @@ def _corrupt(words, kind):
                                      dtype=tf.int32)
 
 
+# Kinds that corrupt the gathered lengths rather than the words.
+LENGTH_KINDS = ("negative_length_same_total", "negative_length", "length_above_width",
+                "lengths_exceed_data")
+
+
+def _corrupt_lengths(lengths, kind):
+  """``lengths`` (the gathered int32 ``[replicas, payloads]`` lengths) corrupted."""
+  first = lengths[0, 0]
+  if kind == "negative_length_same_total":
+    # The first length made negative and the last one grown by as much: the total still
+    # matches the words, so every later row would silently start elsewhere.
+    change = tf.tensor_scatter_nd_update(tf.zeros_like(lengths), [[0, 0]], [-3 - first])
+    return lengths + change - tf.reverse(change, [0, 1])
+  if kind == "negative_length":
+    return tf.tensor_scatter_nd_update(lengths, [[0, 0]], [-3])
+  if kind == "length_above_width":  # far beyond any payload's width, and the words
+    return tf.tensor_scatter_nd_update(lengths, [[0, 0]], [2**20])
+  assert kind == "lengths_exceed_data"  # one word more than was sent
+  return lengths + tf.reverse(
+      tf.tensor_scatter_nd_update(tf.zeros_like(lengths), [[0, 0]], [1]), [0, 1])
+
+
 def _states(optimizer):
   return [[c.numpy() for c in r.value.values] for state in optimizer.residues for r in state]
 
 
 # The kinds are spread over the two exchanges rather than crossed with them; the fast
 # tier takes one kind per exchange (a count the decoder must refuse, every word
-# corrupted), the other two run with --full.
-@pytest.mark.parametrize("exchange, kind", [
-    ("gradients", "count_above_capacity"),
-    pytest.param("gradients", "random_words", marks=pytest.mark.slow),
-    pytest.param("updates", "negative_count", marks=pytest.mark.slow),
-    ("updates", "flipped_bits")])
+# corrupted), the others run with --full (the lengths' kinds: their cheap check is
+# tests/test_exchange_lengths.py, in the fast tier).
+@pytest.mark.parametrize("exchange, kind, start_step", [
+    ("gradients", "count_above_capacity", 0),
+    pytest.param("gradients", "random_words", 0, marks=pytest.mark.slow),
+    pytest.param("updates", "negative_count", 0, marks=pytest.mark.slow),
+    ("updates", "flipped_bits", 0),
+    pytest.param("gradients", "negative_length_same_total", 0, marks=pytest.mark.slow),
+    pytest.param("updates", "negative_length_same_total", 0, marks=pytest.mark.slow),
+    pytest.param("updates", "negative_length", 0, marks=pytest.mark.slow),
+    pytest.param("gradients", "length_above_width", 0, marks=pytest.mark.slow),
+    pytest.param("updates", "lengths_exceed_data", 0, marks=pytest.mark.slow),
+    # In warm-up the rows are float32 words, whose zeros (all that refused lengths read)
+    # decode to a finite zero: only the exchange's own mark skips the step.
+    pytest.param("gradients", "negative_length_same_total", 100, marks=pytest.mark.slow),
+    pytest.param("updates", "lengths_exceed_data", 100, marks=pytest.mark.slow)])
 def test_a_corrupt_payload_skips_the_step_and_keeps_weights_and_residues(
-    monkeypatch, exchange, kind):
+    monkeypatch, exchange, kind, start_step):
   strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES)
   (x, y), _ = digits_data.flat()
   with strategy.scope():
     model = digits_data.mlp(0, tf_adacomp.CompressedOptimizer(
         keras.optimizers.SGD(0.1, momentum=0.9), tf_adacomp.AdaComp(min_size=100),
-        exchange=exchange))
+        exchange=exchange, start_step=start_step))
   model.fit(x[:256], y[:256], batch_size=64, epochs=1, verbose=0, shuffle=False)
   weights, residues = model.get_weights(), _states(model.optimizer)
 
@@ -57,10 +92,12 @@ def test_a_corrupt_payload_skips_the_step_and_keeps_weights_and_residues(
 
   def all_gather(self, value, axis, options=None):
     gathered = original(self, value, axis, options)
-    # The compact payloads' words go as one 1-D int32 buffer (their lengths, rank 2).
-    if isinstance(gathered, tf.Tensor) and gathered.dtype == tf.int32 and gathered.shape.rank == 1:
-      return _corrupt(gathered, kind)
-    return gathered
+    # The compact payloads' words go as one 1-D int32 buffer, their lengths as rank 2.
+    if not isinstance(gathered, tf.Tensor) or gathered.dtype != tf.int32:
+      return gathered
+    if kind in LENGTH_KINDS:
+      return _corrupt_lengths(gathered, kind) if gathered.shape.rank == 2 else gathered
+    return _corrupt(gathered, kind) if gathered.shape.rank == 1 else gathered
 
   monkeypatch.setattr(tf.distribute.ReplicaContext, "all_gather", all_gather)
   model.make_train_function(force=True)  # traced again, with the corruption

@@ -258,12 +258,17 @@ class Exchange:
       dense: optional scalar bool tensor; when true, compact payloads are replaced by
         the float32 gradient (a warm-up step) and the states are kept as they are. The
         same collectives run either way, so replicas never diverge in what they call.
+        Summable payloads narrower than float32 (fp16, bf16) still go to the
+        all-reduce, and their float32 gradients go in one more compact bucket, the
+        warm-up bucket (last in ``gathered``), whose total replaces the half-precision
+        sum in a warm-up step; after warm-up it sends one word, unread (8 bytes with
+        its length).
 
     Returns:
       An ``Outgoing``.
     """
     summable, gathered, shares, new_states = {}, {}, {}, list(states)
-    compact = []
+    compact, warm = [], []
     for i, (grad, plan, state) in enumerate(zip(grads, plans, states)):
       if grad is None:
         continue
@@ -271,6 +276,8 @@ class Exchange:
         compact.append(i)
         continue
       summable[i], new_states[i] = self.compressor.compress(grad, state, plan)
+      if dense is not None and _narrow_on_the_wire(self.compressor, plan):
+        warm.append(i)
     for group in self.compressor.buckets([plans[i] for i in compact]):
       bucket = tuple(compact[j] for j in group)
       bucket_grads = [grads[i] for i in bucket]
@@ -289,6 +296,20 @@ class Exchange:
         new_states[i] = new
       gathered[bucket] = (payload, used)
       shares[bucket] = share
+    if warm:
+      # The warm-up bucket: the float32 words of the narrow summable gradients, all of
+      # them in a warm-up step (a compact bucket's usual route, so Adasum, the hierarchy
+      # and the cross-device ops need nothing else). After warm-up one word, unread: a
+      # buffer of 0 words would make an empty collective, which the collective kernels
+      # do not survive (a segmentation fault in the hierarchy's all-gather).
+      bucket = tuple(warm)
+      words = _dense_bits([grads[i] for i in bucket])
+      gathered[bucket] = (words, tf.where(dense, int(words.shape[0]), 1))
+      shares[bucket] = tf.where(dense, tf.constant([plans[i].dense_nbytes for i in bucket],
+                                                   tf.int64), tf.zeros([len(bucket)], tf.int64))
+      for i in bucket:
+        new_states[i] = tuple(tf.where(dense, old, new)
+                              for old, new in zip(states[i], new_states[i]))
     return Outgoing(summable, gathered, new_states, shares)
 
   # --- Stage 2: moving payloads -------------------------------------------------------
@@ -372,7 +393,7 @@ class Exchange:
     if not self.reduction.sums_payloads:  # Adasum: a worker contributes its mean
       local = [t / hierarchy.devices_per_worker for t in local]
     layout = self._layout(plans, present, dense)
-    sums, nbytes = [None] * len(plans), [None] * len(plans)
+    sums, nbytes, decoded = [None] * len(plans), [None] * len(plans), None
     summable = [i for i in present if plans[i].summable]
     if position.leads:
       summed_grads = [None] * len(plans)
@@ -394,7 +415,8 @@ class Exchange:
           lengths = tf.zeros([hierarchy.workers, len(layout.gathered)], tf.int32)
     if layout.gathered:
       lengths = hierarchy.local_sum(position, [lengths])[0]
-      stride = tf.reduce_max(tf.reduce_sum(lengths, axis=1))
+      # The leader's stride (the same lengths): the size of the data it gathered.
+      stride = _padded_stride(lengths, [int(p.shape[0]) for p, _ in layout.gathered.values()])
       if data is None:
         data = tf.zeros([hierarchy.workers * stride], tf.int32)
       data = hierarchy.local_sum(position, [data])[0]
@@ -405,13 +427,17 @@ class Exchange:
           sums[i] = decoded[i]
     for i, total in zip(summable, hierarchy.local_sum(position, totals)):
       sums[i] = total
+      if decoded is not None and decoded[i] is not None:  # in the warm-up bucket
+        sums[i] = tf.where(dense, decoded[i], total)
     return Exchanged(sums, new_states, nbytes)
 
   def _layout(self, plans, present, dense) -> Outgoing:
     """The compact buckets ``compress`` makes of the gradients ``present``, with payloads
     of their static widths (zeros): what ``decode`` needs to read rows on a device that
-    compressed nothing. Summable gradients are left out."""
+    compressed nothing. Summable gradients are left out, but for the warm-up bucket."""
     compact = [i for i in present if not plans[i].summable]
+    warm = [i for i in present if dense is not None
+            and _narrow_on_the_wire(self.compressor, plans[i])]
     gathered = {}
     for group in self.compressor.buckets([plans[i] for i in compact]):
       bucket = tuple(compact[j] for j in group)
@@ -420,6 +446,9 @@ class Exchange:
       if dense is not None:  # _maybe_dense: wide enough for the float32 gradients
         width = max(width, sum(plan.num_elements for plan in bucket_plans))
       gathered[bucket] = (tf.zeros([width], tf.int32), None)
+    if warm:
+      width = sum(plans[i].num_elements for i in warm)
+      gathered[tuple(warm)] = (tf.zeros([width], tf.int32), None)
     return Outgoing({}, gathered, [], {})
 
   def _leaders_exchange(self, hierarchy, position, plans, grads, states, dense):
@@ -437,9 +466,11 @@ class Exchange:
     if out.gathered:
       lengths = hierarchy.leaders_gather(position, out.lengths()[None])
       # The gather needs one shape from every worker: each buffer is padded to the
-      # longest, and row r starts at r * stride.
-      stride = tf.reduce_max(tf.reduce_sum(lengths, axis=1))
-      buffer = out.buffer()
+      # longest, and row r starts at r * stride. The lengths that arrived may not be
+      # those sent: cut to the stride they give (then refused by decode), as every
+      # worker computes the same stride from them.
+      stride = _padded_stride(lengths, [int(p.shape[0]) for p, _ in out.gathered.values()])
+      buffer = out.buffer()[:stride]
       data = hierarchy.leaders_gather(
           position, tf.pad(buffer, [[0, stride - tf.shape(buffer)[0]]]))
     incoming = Incoming(hierarchy.workers, summed, summable_rows, data, lengths)
@@ -497,6 +528,13 @@ class Exchange:
              dense=None, stride=None) -> List[Optional[tf.Tensor]]:
     """Every gradient's decoded total from what all replicas sent.
 
+    The gathered lengths are untrusted (``checked_lengths``): where they do not describe
+    the gathered words, nothing is read from them and every total of a compact bucket
+    (the warm-up bucket's included) is NaN, the mark of a corrupt payload, so that
+    ``CompressedOptimizer`` skips the step on every replica (all receive the same
+    lengths). In a warm-up step the gradients of the warm-up bucket (see ``compress``)
+    get the float32 sum of their words instead of the half-precision one.
+
     Args:
       plans: one ``TensorPlan`` per gradient.
       out: this replica's ``Outgoing``: which gradients went which way, and the static
@@ -518,15 +556,40 @@ class Exchange:
         rows = tf.ensure_shape(incoming.summable_rows[k], [replicas, *out.summable[i].shape])
         sums[i] = self.reduction.combine(
             [self.compressor.decompress(rows[r], plans[i]) for r in range(replicas)])
-    for k, (bucket, (payload, _)) in enumerate(out.gathered.items()):
+    if not out.gathered:
+      return sums
+    widths = [int(payload.shape[0]) for payload, _ in out.gathered.values()]
+    # The lengths are checked once for all buckets: a wrong one shifts every later row,
+    # so where they do not add up every compact total is marked, not only one bucket's.
+    lengths, valid = checked_lengths(incoming.data, incoming.lengths, widths, replicas,
+                                     stride)
+    for k, bucket in enumerate(out.gathered):
       bucket_plans = [plans[i] for i in bucket]
-      rows = gathered_rows(incoming.data, incoming.lengths, k, int(payload.shape[0]),
-                           replicas, stride)
-      totals = self.reduction.decode(
-          lambda r, p=bucket_plans: _decode(self.compressor, r, p, dense), rows)
+      if bucket_plans[0].summable:  # the warm-up bucket (see ``compress``)
+        totals = self._warm_up_totals(incoming.data, lengths, k, widths[k], replicas,
+                                      stride, bucket_plans, [sums[i] for i in bucket], dense)
+      else:
+        rows = gathered_rows(incoming.data, lengths, k, widths[k], replicas, stride)
+        totals = self.reduction.decode(
+            lambda r, p=bucket_plans: _decode(self.compressor, r, p, dense), rows)
       for i, total in zip(bucket, totals):
-        sums[i] = total
+        sums[i] = _marked(total, valid)
     return sums
+
+  def _warm_up_totals(self, data, lengths, index, width, replicas, stride, plans, summed,
+                      dense):
+    """The totals of the warm-up bucket's gradients: in a warm-up step their float32
+    words combined in replica order, else ``summed`` (what the summable route gave;
+    None on a device that compressed nothing, in the hierarchy: zeros then). The rows
+    are read in the warm-up branch only: after warm-up they would be zeros, and as
+    large as the gradients."""
+    summed = [tf.zeros(p.shape, p.dtype) if s is None else s for s, p in zip(summed, plans)]
+
+    def warm_up():
+      rows = gathered_rows(data, lengths, index, width, replicas, stride)
+      return self.reduction.decode(lambda r: _dense_totals(r, plans), rows)
+
+    return tf.cond(dense, warm_up, lambda: summed)
 
   def nbytes(self, plans, out: Outgoing, incoming: Incoming) -> list:
     """The bytes one replica sent for each gradient (None where it sent nothing).
@@ -538,11 +601,13 @@ class Exchange:
     for i, payload in out.summable.items():
       nbytes[i] = self.compressor.payload_nbytes(payload, plans[i])
     if out.gathered:
-      bucket_nbytes = stats.exchange_nbytes(incoming.lengths)
+      # Hostile lengths are refused by ``decode``; a negative one counts as none here.
+      bucket_nbytes = stats.exchange_nbytes(tf.maximum(incoming.lengths, 0))
       for k, bucket in enumerate(out.gathered):
         split = stats.split_nbytes(bucket_nbytes[k], out.shares[bucket])
         for j, i in enumerate(bucket):
-          nbytes[i] = split[j]
+          # A gradient of the warm-up bucket sent its summable payload too.
+          nbytes[i] = split[j] if nbytes[i] is None else nbytes[i] + split[j]
     return nbytes
 
 
@@ -565,7 +630,8 @@ def replica_exchange(compressor: base.Compressor, plans: Sequence[base.TensorPla
     states: each gradient's compressor state on this replica (``compressor.init(plan)``
       at first, then the previous step's ``states``).
     dense: optional scalar bool tensor; when true, compact payloads are sent as float32
-      (a warm-up step) and the states are kept.
+      (a warm-up step) and the states are kept; half-precision payloads (fp16, bf16)
+      are summed from float32 copies sent beside them (``Exchange.compress``).
     reduction: "sum" (the replicas' gradients are added) or "adasum" (combined with
       ``ops.adasum_reduce``; the caller scales the result as it needs).
     hierarchy: None (flat) or a ``tf_adacomp.hierarchy.Hierarchy``, e.g.
@@ -586,8 +652,55 @@ def replica_exchange(compressor: base.Compressor, plans: Sequence[base.TensorPla
 # --- Helpers ---------------------------------------------------------------------------
 
 
+def checked_lengths(data, lengths, widths, replicas: int, stride=None):
+  """The gathered ``lengths`` if they add up, else zeros, and whether they did.
+
+  The lengths come from other replicas: nothing guarantees that they describe ``data``.
+  They add up when every length is in ``[0, width]`` of its payload and, with ``stride``
+  None (buffers joined end to end), all of them add up to ``tf.size(data)``; with a
+  ``stride`` (buffers padded to one length, replica r's at ``r * stride``), ``stride >=
+  0``, each replica's lengths add up to at most ``stride`` and ``replicas * stride`` is
+  ``tf.size(data)``. Then every word they name lies in its own replica's part of
+  ``data``; otherwise a negative length would silently shift every later replica's rows
+  and one too large would read past ``data``. Every replica receives the same lengths, so
+  all of them reach the same verdict. A few scalar ops, no dynamic shape (XLA can
+  compile it).
+
+  Args:
+    data: 1-D, every replica's joined payload words, in replica order.
+    lengths: int32 ``[replicas, payloads]``, the words of each replica's payloads.
+    widths: the width of each payload, the most words it may have (a sequence of ints
+      or an int32 ``[payloads]`` tensor).
+    replicas: the number of replicas (static).
+    stride: None or a scalar, as for ``gathered_rows``.
+
+  Returns:
+    ``(lengths, valid)``: int32 ``[replicas, payloads]``, ``lengths`` where they add up,
+    zeros where they do not (nothing is then read); a scalar bool, whether they did.
+  """
+  lengths = tf.convert_to_tensor(lengths, tf.int32)
+  widths = tf.convert_to_tensor(widths, tf.int32)
+  in_range = tf.reduce_all(tf.logical_and(lengths >= 0, lengths <= widths[None, :]))
+  # In int64: hostile lengths near 2^31 would wrap an int32 sum back into range.
+  per_replica = tf.reduce_sum(tf.cast(lengths, tf.int64), axis=1)
+  size = tf.cast(tf.size(data), tf.int64)
+  if stride is None:
+    adds_up = tf.equal(tf.reduce_sum(per_replica), size)
+  else:
+    stride = tf.cast(stride, tf.int64)
+    adds_up = tf.logical_and(
+        tf.logical_and(stride >= 0, tf.equal(replicas * stride, size)),
+        tf.reduce_all(per_replica <= stride))
+  valid = tf.logical_and(in_range, adds_up)
+  return tf.where(valid, lengths, tf.zeros_like(lengths)), valid
+
+
 def gathered_rows(data, lengths, index: int, width: int, replicas: int, stride=None):
   """The ``[replicas, width]`` payload rows of payload ``index`` from gathered buffers.
+
+  Lengths that do not add up (``checked_lengths``, with this payload's ``width``) read
+  nothing: every row is zeros. The caller who must tell that from empty payloads calls
+  ``checked_lengths`` itself (``Exchange.decode`` does, and marks the step).
 
   Args:
     data: 1-D int32, every replica's joined trimmed payloads, in replica order.
@@ -601,10 +714,15 @@ def gathered_rows(data, lengths, index: int, width: int, replicas: int, stride=N
   Returns:
     int32 ``[replicas, width]``: row r holds replica r's payload, then zeros.
   """
+  lengths = tf.convert_to_tensor(lengths, tf.int32)
+  # Only this payload's width is known here (the others' are bounded by int32 alone);
+  # every index read below is then inside ``data`` and the padding below is >= 0.
+  widths = tf.where(tf.equal(tf.range(tf.shape(lengths)[1]), index), width, 2**31 - 1)
+  lengths, _ = checked_lengths(data, lengths, widths, replicas, stride)
   if stride is None:
     replica_start = tf.cumsum(tf.reduce_sum(lengths, axis=1), exclusive=True)
   else:
-    replica_start = tf.range(tf.shape(lengths)[0]) * stride
+    replica_start = tf.range(tf.shape(lengths)[0]) * tf.cast(stride, tf.int32)
   start = replica_start + tf.cumsum(lengths, axis=1, exclusive=True)[:, index]
   length = lengths[:, index]
   longest = tf.reduce_max(length)
@@ -613,6 +731,22 @@ def gathered_rows(data, lengths, index: int, width: int, replicas: int, stride=N
   rows = tf.where(valid, tf.gather(data, tf.where(valid, start[:, None] + offset, 0)), 0)
   rows = tf.pad(rows, [[0, 0], [0, width - longest]])
   return tf.ensure_shape(rows, [replicas, width])
+
+
+def _padded_stride(lengths, widths: Sequence[int]):
+  """The words of the longest replica buffer, from gathered ``lengths``: what each
+  buffer is padded to in the hierarchical exchange. Clipped to ``[1, sum(widths)]`` (no
+  honest buffer is longer, or empty), so that hostile lengths cannot ask for a negative
+  padding, an allocation of gigabytes or an empty all-gather (which crashes the
+  collective kernels); ``checked_lengths`` then refuses them."""
+  longest = tf.reduce_max(tf.reduce_sum(tf.cast(lengths, tf.int64), axis=1))
+  return tf.cast(tf.clip_by_value(longest, 1, max(1, sum(widths))), tf.int32)
+
+
+def _marked(total, valid):
+  """``total``, or NaN everywhere where ``valid`` (a scalar bool) is false: the mark of a
+  payload that cannot be trusted, which makes ``CompressedOptimizer`` skip the step."""
+  return tf.where(valid, total, tf.constant(float("nan"), total.dtype))
 
 
 def _all_reduce_joined(ctx, tensors):
@@ -661,18 +795,32 @@ def _decode(compressor, rows, plans, dense):
   width = compressor.bucket_width(plans)
   if dense is None:
     return compressor.decompress_bucket(rows[:, :width], plans)
-
-  def decode_dense():
-    values = tf.bitcast(rows[:, :sum(plan.num_elements for plan in plans)], tf.float32)
-    total = values[0]
-    for r in range(1, int(rows.shape[0])):  # replica order: bit-identical everywhere
-      total += values[r]
-    sums, start = [], 0
-    for plan in plans:
-      sums.append(tf.cast(tf.reshape(total[start:start + plan.num_elements], plan.shape),
-                          plan.dtype))
-      start += plan.num_elements
-    return sums
-
-  return tf.cond(dense, decode_dense,
+  return tf.cond(dense, lambda: _dense_totals(rows, plans),
                  lambda: compressor.decompress_bucket(rows[:, :width], plans))
+
+
+def _dense_totals(rows, plans):
+  """The sums of a warm-up step's float32 ``rows`` (``_dense_bits``), one per gradient
+  of ``plans``, added in float32 in replica order and cast to each gradient's dtype."""
+  values = tf.bitcast(rows[:, :sum(plan.num_elements for plan in plans)], tf.float32)
+  total = values[0]
+  for r in range(1, int(rows.shape[0])):  # replica order: bit-identical everywhere
+    total += values[r]
+  sums, start = [], 0
+  for plan in plans:
+    sums.append(tf.cast(tf.reshape(total[start:start + plan.num_elements], plan.shape),
+                        plan.dtype))
+    start += plan.num_elements
+  return sums
+
+
+def _narrow_on_the_wire(compressor, plan) -> bool:
+  """Whether a summable ``plan``'s payload is narrower than float32 (a cast compressor's
+  ``wire_dtype``, or a half-precision gradient sent as it is): such a gradient needs the
+  warm-up bucket to be summed as float32 in a warm-up step. Decided from the plan alone,
+  so that ``compress`` and ``_layout`` make the same buckets. An empty tensor has nothing
+  to sum (and would make a bucket of width 0, too narrow for its one word)."""
+  if not plan.summable or not plan.num_elements:
+    return False
+  wire = None if plan.dense else getattr(compressor, "wire_dtype", None)
+  return tf.as_dtype(wire or plan.dtype).size < 4
