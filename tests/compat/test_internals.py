@@ -26,6 +26,7 @@ import tensorflow as tf
 
 import canaries
 import tf_adacomp
+from tf_adacomp import cross_device_ops
 from tf_adacomp.compat import internals
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -33,9 +34,6 @@ CPUS = ["/cpu:0", "/cpu:1"]
 
 
 def _mirrored(**kwargs):
-  # Collective keys of its own (tf_adacomp.distribute): plain MirroredStrategy objects all
-  # start from the same keys, and one that collides with an earlier strategy of the test
-  # process aborts the process' collectives.
   return tf_adacomp.distribute.mirrored_strategy(devices=CPUS, **kwargs)
 
 
@@ -583,3 +581,32 @@ def test_private_framework_modules_are_imported_only_where_listed():
       found[relative] = sorted(private - allowed.get(relative, set()))
   assert not found, (f"Private framework modules imported where compat/internals.py does not "
                      f"list them: {found}")
+
+
+def test_trackable_hooks_save_and_restore_compressed_all_reduce_states(tmp_path):
+  name = ("`Trackable._serialize_to_tensors`, `_restore_from_tensors` and "
+          "`_lookup_dependency`")
+  user = "cross_device_ops._DeviceStates (CompressedAllReduce's checkpoints)"
+
+  def module(*per_device):
+    holder = tf.Module()
+    holder.states = cross_device_ops._DeviceStates(  # pylint: disable=protected-access
+        [[tf.Variable(values)] for values in per_device])
+    return holder
+
+  with canaries.watching(name, user):
+    path = tf.train.Checkpoint(ops=module([1.0, 2.0], [3.0, 4.0])).save(str(tmp_path / "new"))
+    saved = [name for name, _ in tf.train.list_variables(path)]
+    restored = module([0.0, 0.0])
+    tf.train.Checkpoint(ops=restored).restore(path).assert_consumed()
+    split = restored.states[0][0].numpy().tolist()
+    legacy = tf.Module()
+    legacy.states = [[tf.Variable([5.0, 6.0])]]  # the earlier layout: states/{device}/{state}
+    legacy_path = tf.train.Checkpoint(ops=legacy).save(str(tmp_path / "legacy"))
+    tf.train.Checkpoint(ops=restored).restore(legacy_path)
+  canaries.require("ops/states/.ATTRIBUTES/state_0" in saved, name, user,
+                   f"_serialize_to_tensors saves one stacked tensor per state, got {saved}")
+  canaries.require(split == [4.0, 6.0], name, user,
+                   f"_restore_from_tensors sums 2 devices' values onto 1, got {split}")
+  canaries.require(restored.states[0][0].numpy().tolist() == [5.0, 6.0], name, user,
+                   "a checkpoint of the per-device layout restores through _lookup_dependency")

@@ -81,6 +81,11 @@ they are used; their canaries are in ``tests/compat/test_internals.py`` too:
   ``tensorflow.python.distribute.distribute_utils.regroup``,
   ``tensorflow.python.distribute.values`` (``Mirrored``, ``DistributedValues``) and
   ``tensorflow.python.ops.resource_variable_ops.ResourceVariable``.
+- ``cross_device_ops._DeviceStates`` (``CompressedAllReduce``'s per-tensor states in a
+  checkpoint): ``tf.__internal__.tracking.Trackable`` subclassed through its
+  ``_serialize_to_tensors`` and ``_restore_from_tensors`` (one stacked tensor per state,
+  split on restore) and ``_lookup_dependency`` (checkpoints of the earlier per-device
+  layout).
 - ``compat.loss_scale``: replaces the public ``LossScaleOptimizer.check_finite`` on the
   class, relying on Keras' ``_tf_apply`` and ``_common_apply`` deciding through it.
 - ``resist/trainer.py``: ``optimizer.ALL_REDUCE_HOOK`` (above), set and deleted on the
