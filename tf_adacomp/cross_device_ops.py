@@ -29,7 +29,9 @@ of per-replica gradients each scaled by 1/replicas, so under ``model.fit`` this 
 Adasum of the replicas' own mean gradients, as Horovod applies it.
 
 ``start_step`` warm-up steps send compact payloads (AdaComp, FFT, top-k) as float32 and
-count those bytes; cast compressors (fp16, bf16) cast from the first step.
+count those bytes; cast compressors (fp16, bf16) also send their float32 tensors during
+warm-up, and the reduction is their float32 sum in device order (afterwards the
+half-precision sum, plus 8 bytes per reduction).
 
 Residues are keyed by the functions the reduction is traced in (their names, "eager"
 outside any), the position of a tensor in its batch of reductions, its shape and dtype:

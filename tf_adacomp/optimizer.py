@@ -150,8 +150,10 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     compressor: a ``Compressor``, a registered name ("adacomp", "topk", "fp16", ...)
       or a serialized compressor. Default "adacomp".
     start_step: int >= 0; the first ``start_step`` steps exchange dense float32
-      gradients (or updates) as a warm-up before compression begins. Residues stay zero
-      meanwhile.
+      gradients (or, with ``exchange="updates"``, each replica's own weight update, whose
+      float32 mean every replica applies) as a warm-up before compression begins; fp16
+      and bf16 send their float32 values beside their half-precision payloads, and after
+      warm-up 8 bytes per step remain of that. Residues stay zero meanwhile.
     name: optional name.
     reduction: "sum" (default) or "adasum": how the replicas' contributions combine
       (with ``exchange="updates"``, "sum" applies the mean of the replicas' updates).
