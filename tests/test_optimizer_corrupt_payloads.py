@@ -60,11 +60,11 @@ def _states(optimizer):
 
 
 # The kinds are spread over the two exchanges rather than crossed with them; the fast
-# tier takes one kind per exchange (a count the decoder must refuse, every word
-# corrupted), the others run with --full (the lengths' kinds: their cheap check is
-# tests/test_exchange_lengths.py, in the fast tier).
+# tier takes one (every word corrupted, with the default update exchange), the others
+# run with --full (the decoders' and the lengths' own checks are in the fast tier:
+# tests/ops/test_hostile_payloads.py, tests/test_exchange_lengths.py).
 @pytest.mark.parametrize("exchange, kind, start_step", [
-    ("gradients", "count_above_capacity", 0),
+    pytest.param("gradients", "count_above_capacity", 0, marks=pytest.mark.slow),
     pytest.param("gradients", "random_words", 0, marks=pytest.mark.slow),
     pytest.param("updates", "negative_count", 0, marks=pytest.mark.slow),
     ("updates", "flipped_bits", 0),
