@@ -55,17 +55,13 @@ def _fit_trains(model, steps=4):
 
 
 @pytest.mark.slow
-def test_dense_then_cross_device_ops_then_the_wrapper_each_train():
-  # Models of other sizes: the same collective keys would carry other shapes.
+def test_dense_then_cross_device_ops_then_the_wrapper_on_4_then_2_replicas(tmp_path):
+  # Models of other sizes (the same collective keys would carry other shapes), then the
+  # same model on 4 then 2 replicas (the same group key would have two sizes), restored
+  # from the 4-replica checkpoint with every residue's total kept.
   _fit_trains(_model(_strategy(2), 32, _sgd))
   _fit_trains(_model(_strategy(2, tf_adacomp.CompressedAllReduce(
       tf_adacomp.AdaComp(min_size=100))), 48, _sgd))
-  _fit_trains(_model(_strategy(2), 64, _compressed))
-
-
-@pytest.mark.slow
-def test_a_4_replica_checkpoint_restored_onto_2_replicas_trains(tmp_path):
-  # The same model on 4 then 2 replicas: the same group key would have two sizes.
   saved = _model(_strategy(4), 64, _compressed)
   _fit_trains(saved)
   path = str(tmp_path / "four.weights.h5")
