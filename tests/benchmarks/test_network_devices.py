@@ -1,5 +1,5 @@
 """benchmarks/network.py with two devices per worker, end to end: 2 workers x 2 logical
-CPUs in namespaces, hierarchical and flat AdaComp beside dense, and the link's counters.
+CPUs in namespaces, hierarchical and flat AdaComp, and the link's counters.
 (Real namespaces and worker processes, root only: slow tier.)"""
 
 import json
@@ -20,7 +20,7 @@ ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
 def test_two_devices_per_worker_hierarchical_flat_and_the_link_counters(tmp_path):
   result = subprocess.run(
       [sys.executable, os.path.join(benchmark_scripts.BENCHMARKS_DIR, "network.py"),
-       "--models=mlp", "--rates=100mbit", "--compressors=none,adacomp,adacomp+flat",
+       "--models=mlp", "--rates=100mbit", "--compressors=adacomp,adacomp+flat",
        "--devices_per_worker=1,2", "--width=64", "--max_steps=4", "--eval_every=2",
        "--target_accuracy=0.01", "--synthetic", f"--json={tmp_path / 'n.json'}",
        "--plot="],
@@ -30,10 +30,10 @@ def test_two_devices_per_worker_hierarchical_flat_and_the_link_counters(tmp_path
   out = json.loads((tmp_path / "n.json").read_text())
   assert out["devices_per_worker"] == [1, 2]
   rows = {(r["compressor"], r["devices_per_worker"]): r for r in out["rows"]}
-  assert len(rows) == 6 and not any(r.get("failed") for r in rows.values())
+  assert len(rows) == 4 and not any(r.get("failed") for r in rows.values())
   runs = out["runs"]
   for key, devices in (("mlp/100mbit/adacomp", 1), ("mlp/100mbit/adacomp/D2", 2),
-                       ("mlp/100mbit/adacomp+flat/D2", 2), ("mlp/100mbit/none/D2", 2)):
+                       ("mlp/100mbit/adacomp+flat/D2", 2)):
     run = runs[key]
     assert run["devices_per_worker"] == devices and run["replicas"] == 2 * devices
     assert run["workers"] == 2 and run["batch_size_per_worker"] == 64
@@ -42,9 +42,10 @@ def test_two_devices_per_worker_hierarchical_flat_and_the_link_counters(tmp_path
   assert runs["mlp/100mbit/adacomp+flat/D2"]["flat"]
   assert runs["mlp/100mbit/adacomp+flat/D2"]["hierarchical_argument"] is False
   assert runs["mlp/100mbit/adacomp/D2"]["hierarchy"] is not None  # the library's default
-  # Dense sends every parameter every step: its link carries at least that.
-  dense = rows["none", 1]
-  assert dense["link_tx_bytes_per_step"] >= dense["bytes_sent_per_step"]
+  # What a worker sends crosses its link: the link carries at least that. (Dense, which
+  # sends every parameter, is left out for time: its rows come from the same code.)
+  for key in (("adacomp", 1), ("adacomp+flat", 2)):
+    assert rows[key]["link_tx_bytes_per_step"] >= rows[key]["bytes_sent_per_step"] > 0
   # Hierarchical: one payload per worker crosses the link; flat: each replica's.
   assert (rows["adacomp", 2]["link_tx_bytes_per_step"]
           < rows["adacomp+flat", 2]["link_tx_bytes_per_step"])
