@@ -21,7 +21,9 @@ LR = 0.1
 # One pair of the grid stays in the fast tier (the optimizer's Adasum runs there in the
 # delta mode's tests); the other three (3: not a power of two) run with --full.
 @pytest.mark.parametrize("exchange, replicas", [
-    ("cross_device_ops", 4),
+    # With --full: the fast tier has Adasum in delta mode (below) and the kernel's own
+    # tests against the NumPy reference (tests/ops).
+    pytest.param("cross_device_ops", 4, marks=pytest.mark.slow),
     pytest.param("optimizer", 3, marks=pytest.mark.slow),
     pytest.param("optimizer", 4, marks=pytest.mark.slow),
     pytest.param("cross_device_ops", 3, marks=pytest.mark.slow)])
@@ -116,6 +118,7 @@ def test_adacomp_with_adasum_trains_on_digits_with_identical_replicas(mode):
   assert model.optimizer.compression_stats()["total"]["ratio"] > 5
 
 
+@pytest.mark.slow  # the skip itself: tests/test_optimizer.py, fast
 def test_delta_mode_skips_a_step_with_a_non_finite_gradient_on_one_replica():
   replicas = 2
   strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES[:replicas])

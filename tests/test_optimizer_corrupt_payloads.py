@@ -56,15 +56,15 @@ def _states(optimizer):
   return [[c.numpy() for c in r.value.values] for state in optimizer.residues for r in state]
 
 
-# The kinds are spread over the two exchanges rather than crossed with them; the fast
-# tier takes one (every word corrupted, with the default update exchange), the others
-# run with --full (the decoders' and the lengths' own checks are in the fast tier:
-# tests/ops/test_hostile_payloads.py, tests/test_exchange_lengths.py).
+# The kinds are spread over the two exchanges rather than crossed with them. All run
+# with --full: the fast tier has what they put together, the decoders' and the lengths'
+# checks (tests/ops/test_hostile_payloads.py, tests/test_exchange_lengths.py) and the
+# skip of a non-finite step (tests/test_optimizer.py).
 @pytest.mark.parametrize("exchange, kind, start_step", [
     pytest.param("gradients", "count_above_capacity", 0, marks=pytest.mark.slow),
     pytest.param("gradients", "random_words", 0, marks=pytest.mark.slow),
     pytest.param("updates", "negative_count", 0, marks=pytest.mark.slow),
-    ("updates", "flipped_bits", 0),
+    pytest.param("updates", "flipped_bits", 0, marks=pytest.mark.slow),
     # The lengths: one kind per exchange here, every kind against the decoder in
     # tests/test_exchange_lengths.py (its property test) at a fraction of the cost.
     pytest.param("gradients", "negative_length_same_total", 0, marks=pytest.mark.slow),

@@ -159,11 +159,12 @@ def _replica_sums(optimizer):
           for r in state]
 
 
-# The update exchange's residues and slots through a checkpoint under MirroredStrategy
-# are in the fast tier in tests/test_optimizer_updates.py (test_update_exchange_
-# checkpoints_the_mean_of_the_replicas_slots) and tests/test_backup.py; here with --full.
-@pytest.mark.parametrize("exchange", ["gradients", pytest.param("updates",
-                                                                marks=pytest.mark.slow)])
+# Residues and slots through a checkpoint under MirroredStrategy are in the fast tier in
+# tests/test_optimizer.py (test_residues_survive_model_save_and_checkpoint),
+# tests/test_optimizer_updates.py (test_update_exchange_checkpoints_the_mean_of_the_
+# replicas_slots) and tests/test_backup.py; through load_model here, with --full.
+@pytest.mark.slow
+@pytest.mark.parametrize("exchange", ["gradients", "updates"])
 def test_residues_survive_model_save_and_load_model_under_mirrored_strategy(exchange, tmp_path):
   strategy = tf_adacomp.distribute.mirrored_strategy(devices=["/cpu:0", "/cpu:1"])
   rng = np.random.default_rng(0)

@@ -103,7 +103,7 @@ def _train_step(strategy, model, optimizer):
 # Pairwise: each exchange and each overflowing replica in the fast tier; the other two
 # pairs of the grid with --full.
 @pytest.mark.parametrize("exchange, overflowing_replica", [
-    ("updates", 1), ("gradients", 0),
+    ("updates", 1), pytest.param("gradients", 0, marks=pytest.mark.slow),
     pytest.param("updates", 0, marks=pytest.mark.slow),
     pytest.param("gradients", 1, marks=pytest.mark.slow)])
 def test_an_overflow_on_one_replica_lowers_the_scale_and_skips_the_step_on_every_replica(
