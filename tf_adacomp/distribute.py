@@ -164,20 +164,15 @@ def mirrored_strategy(compressor=None, devices: Optional[Sequence[str]] = None,
     if compressor is not None or compressor_kwargs:
       raise ValueError("Give either a compressor or cross_device_ops, not both. Received: "
                        f"compressor={compressor!r}, cross_device_ops={cross_device_ops!r}")
-    return _new_mirrored_strategy(devices, cross_device_ops)
+    return tf.distribute.MirroredStrategy(devices, cross_device_ops=cross_device_ops)
   if compressor is None:
     if compressor_kwargs:
       raise ValueError("Compressor arguments were given without a compressor. "
                        f"Received: compressor=None, compressor_kwargs={compressor_kwargs!r}")
-    return _new_mirrored_strategy(devices)
+    return tf.distribute.MirroredStrategy(devices)
 
   compressor = get_compressor(compressor, **compressor_kwargs)
-  return _new_mirrored_strategy(devices, CompressedAllReduce(compressor))
-
-
-def _new_mirrored_strategy(devices, cross_device_ops=None):
-  """``MirroredStrategy(devices, cross_device_ops)`` (with collective keys of its own)."""
-  return tf.distribute.MirroredStrategy(devices, cross_device_ops=cross_device_ops)
+  return tf.distribute.MirroredStrategy(devices, cross_device_ops=CompressedAllReduce(compressor))
 
 
 # The task types TensorFlow allows in a cluster (multi_worker_util._validate_cluster_spec),
