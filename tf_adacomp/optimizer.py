@@ -68,6 +68,7 @@ from tf_adacomp import compile_log
 from tf_adacomp import exchange as exchange_lib
 from tf_adacomp import hierarchy as hierarchy_lib
 from tf_adacomp import local_steps as local_steps_lib
+from tf_adacomp import replica_steps
 from tf_adacomp import scaling
 from tf_adacomp import shared_moment
 from tf_adacomp import stats
@@ -490,7 +491,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       return
     if self.local_clipnorm is not None:
       # Each replica's own mean gradient is grads * replicas: clip it to local_clipnorm.
-      grads = _clip_by_global_norm(grads, self.local_clipnorm / replicas)
+      grads = replica_steps.clip_by_global_norm(grads, self.local_clipnorm / replicas)
     exchanged = self._exchange.replica_exchange(plans, grads, states, dense,
                                                 self.hierarchy)
     # Keras divides each replica's loss by the replica count, so the sum of the gradients
@@ -515,7 +516,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     # update they produce is compressed densely anyway.
     own = [None if g is None else tf.convert_to_tensor(g) * replicas for g in grads]
     if self.local_clipnorm is not None:
-      own = _clip_by_global_norm(own, self.local_clipnorm)
+      own = replica_steps.clip_by_global_norm(own, self.local_clipnorm)
     if self.local_steps == 1:
       # Every replica must take the same branch: step only if all gradients are finite.
       bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
@@ -636,7 +637,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     own = [None if g is None else tf.convert_to_tensor(g) * replicas for g in grads]
     scale = tf.constant(float(replicas))  # own / grads
     if self.local_clipnorm is not None:
-      clip = _clip_scale(own, self.local_clipnorm)
+      clip = replica_steps.clip_scale(own, self.local_clipnorm)
       own = [None if g is None else g * tf.cast(clip, g.dtype) for g in own]
       scale = scale * clip
     t = tf.cast(inner.iterations, tf.int64) + 1
@@ -780,25 +781,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
         variable.assign(tf.where(finite, new_value, old_value))
 
   def _on_every_replica_if(self, flag, fn, values):
-    """Calls ``fn(values)`` in every replica if ``flag`` (the same on every replica).
-
-    ``fn`` may call the inner optimizer, whose updates need a merge_call under
-    MirroredStrategy: a cond around a merge_call must be taken in cross-replica context.
-    """
-    if tf.__internal__.distribute.strategy_supports_no_merge_call():
-      tf.cond(flag, lambda: fn(values), lambda: tf.constant(False))
-      return
-
-    def in_cross_replica(distribution, values, flag):
-      flag = distribution.experimental_local_results(flag)[0]
-
-      def everywhere():
-        distribution.extended.call_for_each_replica(fn, args=(values,))
-        return tf.constant(True)
-
-      tf.cond(flag, everywhere, lambda: tf.constant(False))
-
-    tf.distribute.get_replica_context().merge_call(in_cross_replica, args=(values, flag))
+    """Calls ``fn(values)`` in every replica if ``flag`` (``replica_steps``)."""
+    replica_steps.on_every_replica_if(flag, fn, values)
 
   def _assign_per_replica(self, variables, values):
     """Sets each replica's copy of each variable to that replica's value (for weights the
@@ -1222,24 +1206,3 @@ def _first_moment_slots(optimizer):
     raise RuntimeError(f"{type(optimizer).__name__} has no `{attribute}` variables in Keras "
                        f"{keras.__version__}: momentum masking needs updating for it.")
   return slots
-
-
-def _clip_by_global_norm(tensors, clipnorm):
-  """``tensors`` scaled by ``min(1, clipnorm / global_norm)`` (None entries kept).
-
-  A non-finite norm leaves them as they are: the step is then skipped anyway.
-  """
-  if all(t is None for t in tensors):
-    return list(tensors)
-  scale = _clip_scale(tensors, clipnorm)
-  return [None if t is None else t * tf.cast(scale, t.dtype) for t in tensors]
-
-
-def _clip_scale(tensors, clipnorm):
-  """``min(1, clipnorm / global_norm)`` of ``tensors`` (1 if none, or if the norm is not
-  finite: the step is then skipped anyway)."""
-  present = [t for t in tensors if t is not None]
-  if not present:
-    return tf.constant(1.0)
-  norm = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(tf.cast(t, tf.float32))) for t in present]))
-  return tf.where(tf.math.is_finite(norm), tf.minimum(1.0, clipnorm / norm), 1.0)
