@@ -21,7 +21,8 @@ PIP_NAMES = {"absl": "absl-py", "h5py": "h5py", "hypothesis": "hypothesis", "ker
              "matplotlib": "matplotlib",
              "ml_dtypes": "ml-dtypes", "numpy": "numpy", "pytest": "pytest",
              "sklearn": "scikit-learn", "tensorboard": "tensorboard",
-             "tensorflow": "tensorflow", "tensorflow_datasets": "tensorflow-datasets"}
+             "tensorflow": "tensorflow", "tensorflow_datasets": "tensorflow-datasets",
+             "tf_keras": "tf-keras"}
 
 
 def _glob(patterns, exclude=()):

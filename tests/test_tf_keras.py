@@ -1,0 +1,243 @@
+"""tf_adacomp.tf_keras.CompressedOptimizer: the tf_keras (Keras 2) wrapper of the gradient
+exchange, on one host (MirroredStrategy over the conftest's logical CPUs); on 2 worker
+processes in tests/examples/test_horovod_migration.py."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+import digits_data
+import tf_adacomp
+from tf_adacomp import tf_keras as adacomp_tf_keras
+
+OPTIMIZERS = {"new": tf_keras.optimizers.SGD, "legacy": tf_keras.optimizers.legacy.SGD}
+
+
+def _strategy(replicas):
+  return tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)])
+
+
+def _mlp(strategy, optimizer_fn, seed=0):
+  """A tf_keras 64-32-10 MLP compiled under ``strategy`` with ``optimizer_fn()``."""
+  with strategy.scope():
+    tf_keras.utils.set_random_seed(seed)
+    model = tf_keras.Sequential([tf_keras.layers.Dense(32, activation="relu",
+                                                       input_shape=(64,)),
+                                 tf_keras.layers.Dense(10)])
+    optimizer = optimizer_fn()
+    model.compile(optimizer,
+                  tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  return model, optimizer
+
+
+def _fit(model, steps, batch=64):
+  (x, y), _ = digits_data.flat()
+  return model.fit(x[:steps * batch], y[:steps * batch], batch_size=batch, epochs=1,
+                   shuffle=False, verbose=0).history["loss"]
+
+
+def _replica_values(variable):
+  return [v.numpy() for v in variable.values]
+
+
+@pytest.mark.parametrize("kind", ["new", pytest.param("legacy", marks=pytest.mark.slow)])
+def test_no_compression_trains_like_the_plain_optimizer(kind):
+  strategy = _strategy(4)
+  plain, plain_optimizer = _mlp(strategy, lambda: OPTIMIZERS[kind](0.1, momentum=0.9))
+  _fit(plain, 6)
+  model, optimizer = _mlp(strategy, lambda: adacomp_tf_keras.CompressedOptimizer(
+      OPTIMIZERS[kind](0.1, momentum=0.9), compressor="none"))
+  _fit(model, 6)
+  for expected, found in zip(plain.trainable_variables, model.trainable_variables):
+    np.testing.assert_allclose(found.numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
+  assert int(optimizer.iterations.numpy()) == int(plain_optimizer.iterations.numpy()) == 6
+  assert optimizer.compression_stats()["total"]["ratio"] == pytest.approx(1.0)
+
+
+@pytest.mark.slow
+def test_an_embeddings_sparse_gradient_is_exchanged_dense_as_the_plain_optimizer_applies_it():
+  strategy = _strategy(2)
+  tokens = np.random.default_rng(0).integers(0, 50, size=(128, 4))
+  labels = tokens[:, 0] % 10
+  weights = []
+  for wrap in (False, True):
+    with strategy.scope():
+      tf_keras.utils.set_random_seed(0)
+      model = tf_keras.Sequential([tf_keras.layers.Embedding(50, 8, input_length=4),
+                                   tf_keras.layers.Flatten(), tf_keras.layers.Dense(10)])
+      optimizer = tf_keras.optimizers.SGD(0.5)
+      if wrap:
+        optimizer = adacomp_tf_keras.CompressedOptimizer(optimizer, compressor="none")
+      model.compile(optimizer,
+                    tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(tokens, labels, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    weights.append([v.numpy() for v in model.trainable_variables])
+  for expected, found in zip(*weights):
+    np.testing.assert_allclose(found, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_adacomp_compresses_keeps_residues_and_replicas_identical():
+  model, optimizer = _mlp(_strategy(2), lambda: adacomp_tf_keras.CompressedOptimizer(
+      tf_keras.optimizers.SGD(0.1, momentum=0.9)))
+  losses = [_fit(model, 8)[-1] for _ in range(3)]
+  assert losses[-1] < losses[0], losses
+  assert optimizer.compression_stats()["total"]["ratio"] > 20
+  kernel_residue = optimizer.residues[0][0]
+  per_replica = _replica_values(kernel_residue)
+  assert all(np.abs(r).sum() > 0 for r in per_replica)  # each replica holds back its own
+  assert not np.array_equal(per_replica[0], per_replica[1])
+  for variable in model.trainable_variables:
+    values = _replica_values(variable)
+    for other in values[1:]:
+      np.testing.assert_array_equal(other, values[0])
+
+
+def test_a_non_finite_gradient_on_one_replica_changes_nothing():
+  strategy = _strategy(2)
+  with strategy.scope():
+    variable = tf.Variable([1.0, 2.0, 3.0, 4.0])
+    optimizer = adacomp_tf_keras.CompressedOptimizer(
+        tf_keras.optimizers.SGD(0.1, momentum=0.9), compressor=tf_adacomp.TopK(0.5))
+
+  @tf.function
+  def step(bad):
+    def replica_step():
+      replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+      grad = tf.constant([1.0, -3.0, 0.5, 2.0])
+      poison = tf.logical_and(bad, tf.equal(replica, 1))
+      optimizer.apply_gradients([(tf.where(poison, grad * np.inf, grad), variable)])
+    strategy.run(replica_step)
+
+  step(tf.constant(False))
+  before = (variable.numpy(), [r.numpy() for r in optimizer.residues[0][0].values],
+            [v.numpy() for v in optimizer.inner_optimizer.variables],
+            int(optimizer.iterations.numpy()))
+  step(tf.constant(True))
+  after = (variable.numpy(), [r.numpy() for r in optimizer.residues[0][0].values],
+           [v.numpy() for v in optimizer.inner_optimizer.variables],
+           int(optimizer.iterations.numpy()))
+  np.testing.assert_array_equal(after[0], before[0])
+  for a, b in zip(after[1] + after[2], before[1] + before[2]):
+    np.testing.assert_array_equal(a, b)
+  assert after[3] == before[3] == 1
+  step(tf.constant(False))  # and the next finite step trains
+  assert not np.array_equal(variable.numpy(), before[0])
+
+
+@pytest.mark.slow
+def test_warm_up_steps_are_the_dense_step_and_keep_residues_zero():
+  strategy = _strategy(2)
+  plain, _ = _mlp(strategy, lambda: tf_keras.optimizers.SGD(0.1, momentum=0.9))
+  _fit(plain, 3)
+  model, optimizer = _mlp(strategy, lambda: adacomp_tf_keras.CompressedOptimizer(
+      tf_keras.optimizers.SGD(0.1, momentum=0.9), start_step=3))
+  _fit(model, 3)
+  for expected, found in zip(plain.trainable_variables, model.trainable_variables):
+    np.testing.assert_allclose(found.numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
+  assert all(not np.any(r.numpy()) for state in optimizer.residues for r in state)
+  _fit(model, 1)  # step 4 compresses: the residues hold what was not sent
+  assert any(np.any(r.numpy()) for state in optimizer.residues for r in state)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["new", "legacy"])
+def test_residues_restore_from_a_checkpoint_onto_fewer_replicas(kind, tmp_path):
+  def wrapped():
+    return adacomp_tf_keras.CompressedOptimizer(OPTIMIZERS[kind](0.1, momentum=0.9))
+
+  model, optimizer = _mlp(_strategy(4), wrapped)
+  _fit(model, 5)
+  totals = [r[0].numpy() for r in optimizer.residues]  # the sum over the 4 replicas
+  assert all(np.abs(t).sum() > 0 for t in totals)
+  path = tf.train.Checkpoint(model=model, optimizer=optimizer).save(str(tmp_path / "ckpt"))
+
+  strategy = _strategy(2)
+  restored_model, restored = _mlp(strategy, wrapped, seed=1)
+  tf.train.Checkpoint(model=restored_model, optimizer=restored).restore(path)
+  with strategy.scope():  # the residues are made after the restore: a deferred restore
+    restored.build(restored_model.trainable_variables)
+  for total, state in zip(totals, restored.residues):
+    np.testing.assert_allclose(state[0].numpy(), total, rtol=1e-6, atol=1e-7)
+    halves = _replica_values(state[0])
+    np.testing.assert_allclose(halves[0], halves[1])
+  assert int(restored.iterations.numpy()) == 5
+  _fit(restored_model, 2)  # and training goes on from there
+  assert int(restored.iterations.numpy()) == 7
+
+
+@pytest.mark.parametrize("kind", ["new", "legacy"])
+def test_the_config_round_trips(kind):
+  optimizer = adacomp_tf_keras.CompressedOptimizer(
+      OPTIMIZERS[kind](0.05, momentum=0.5), compressor=tf_adacomp.AdaComp(dense_bin_size=100),
+      start_step=7, reduction="adasum", local_clipnorm=2.0, name="wrapped")
+  config = optimizer.get_config()
+  copy = tf_keras.optimizers.deserialize(
+      tf_keras.optimizers.serialize(optimizer), use_legacy_optimizer=False)
+  for again in (adacomp_tf_keras.CompressedOptimizer.from_config(config), copy):
+    assert isinstance(again, adacomp_tf_keras.CompressedOptimizer)
+    found = again.get_config()
+    # tf_keras names the inner optimizer's class in lower case once deserialized.
+    assert found["inner_optimizer"]["config"] == config["inner_optimizer"]["config"]
+    assert {k: v for k, v in found.items() if k != "inner_optimizer"} == {
+        k: v for k, v in config.items() if k != "inner_optimizer"}
+    assert type(again.inner_optimizer) is type(optimizer.inner_optimizer)
+    assert again.compressor.dense_bin_size == 100
+    assert float(again.learning_rate) == pytest.approx(0.05)
+
+
+@pytest.mark.slow
+def test_adasum_and_the_hierarchy_train_with_replicas_identical():
+  for kwargs in ({"reduction": "adasum"}, {"hierarchical": True, "devices_per_worker": 2}):
+    model, optimizer = _mlp(_strategy(4), lambda: adacomp_tf_keras.CompressedOptimizer(
+        tf_keras.optimizers.SGD(0.05), **kwargs))
+    losses = [_fit(model, 6)[-1] for _ in range(2)]
+    assert losses[-1] < losses[0], (kwargs, losses)
+    assert (optimizer.hierarchy is not None) == ("hierarchical" in kwargs)
+    for variable in model.trainable_variables:
+      values = _replica_values(variable)
+      for other in values[1:]:
+        np.testing.assert_array_equal(other, values[0])
+
+
+# --- Bad input ------------------------------------------------------------------------
+
+def test_a_keras_3_optimizer_is_refused_naming_the_wrapper_to_use():
+  import keras  # pylint: disable=import-outside-toplevel
+  with pytest.raises(TypeError, match=r"inner_optimizer.*tf_adacomp.CompressedOptimizer"):
+    adacomp_tf_keras.CompressedOptimizer(keras.optimizers.SGD(0.1))
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"start_step": -1}, "start_step"),
+    ({"reduction": "max"}, "reduction"),
+    ({"local_clipnorm": 0.0}, "local_clipnorm"),
+    ({"compressor": "nope"}, "nope"),
+    ({"hierarchical": "yes"}, "hierarchical"),
+    ({"devices_per_worker": 0}, "devices_per_worker"),
+])
+def test_bad_arguments_are_refused_naming_them(kwargs, name):
+  with pytest.raises((TypeError, ValueError), match=name):
+    adacomp_tf_keras.CompressedOptimizer(tf_keras.optimizers.SGD(0.1), **kwargs)
+
+
+def test_a_loss_scale_optimizer_inside_or_around_is_refused():
+  inner = tf_keras.mixed_precision.LossScaleOptimizer(tf_keras.optimizers.SGD(0.1))
+  with pytest.raises(TypeError, match="LossScaleOptimizer"):
+    adacomp_tf_keras.CompressedOptimizer(inner)
+  wrapper = adacomp_tf_keras.CompressedOptimizer(tf_keras.optimizers.SGD(0.1))
+  outer = tf_keras.mixed_precision.LossScaleOptimizer(wrapper)
+  variable = tf.Variable([1.0, 2.0])
+  with pytest.raises(ValueError, match="skip_gradients_aggregation=True"):
+    outer.apply_gradients([(tf.ones([2]), variable)])
+  np.testing.assert_array_equal(variable.numpy(), [1.0, 2.0])  # nothing was applied
+  assert all(not np.any(r.numpy()) for state in wrapper.residues for r in state)
+  assert int(wrapper.iterations.numpy()) == 0
+
+
+def test_from_config_without_the_inner_optimizer_is_refused_naming_the_key():
+  with pytest.raises(ValueError, match="inner_optimizer"):
+    adacomp_tf_keras.CompressedOptimizer.from_config({"compressor": "adacomp"})
+  with pytest.raises(TypeError, match="config"):
+    adacomp_tf_keras.CompressedOptimizer.from_config(["not", "a", "dict"])

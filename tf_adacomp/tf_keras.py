@@ -1,0 +1,342 @@
+"""CompressedOptimizer for tf_keras (Keras 2, ``TF_USE_LEGACY_KERAS=1``).
+
+A ``tf_keras`` model trained with ``model.fit`` under ``MultiWorkerMirroredStrategy`` or
+``MirroredStrategy`` (Horovod's use) exchanges compressed gradients when its optimizer
+is wrapped, one line::
+
+    import tf_keras  # or tf.keras with TF_USE_LEGACY_KERAS=1
+    from tf_adacomp import tf_keras as adacomp_tf_keras
+
+    optimizer = adacomp_tf_keras.CompressedOptimizer(tf_keras.optimizers.SGD(0.1, momentum=0.9))
+
+Each replica compresses its gradients with its own residue (error feedback), the compact
+payloads cross devices and workers through ``exchange.Exchange``, the one exchange
+engine of the Keras 3 ``tf_adacomp.CompressedOptimizer`` and of ``CompressedAllReduce``,
+and the inner optimizer applies their decoded sum with its own dense all-reduce
+switched off. This is the Keras 3 wrapper's gradient exchange (``exchange="gradients"``):
+compressors, Adasum, the dense warm-up (``start_step``), local gradient clipping and the
+hierarchical exchange (devices of a worker sum densely first) work as they do there,
+and a step whose summed gradient is not finite changes nothing (weights, residues and
+the inner optimizer's slots and ``iterations`` stay as they were).
+
+The residues are the wrapper's variables, one value per replica: a ``tf.train.Checkpoint``
+of the model or optimizer (``ModelCheckpoint``, ``BackupAndRestore``,
+``model.save_weights``) stores their sum and a restore splits it over the replicas then
+present, as in the Keras 3 wrapper.
+
+Not here (Keras 3 only, ``tf_adacomp.CompressedOptimizer``): the update exchange
+(``exchange="updates"``, its shared Adam moment and ``local_steps``), and mixed
+precision (a ``LossScaleOptimizer`` around this wrapper is refused at its first step).
+"""
+
+try:
+  import tf_keras
+except ImportError as error:  # an optional dependency: say how to get it
+  raise ImportError(
+      "tf_adacomp.tf_keras needs the `tf_keras` package (Keras 2 for TensorFlow 2.16+): "
+      "pip install tf_keras, in the version of your TensorFlow (e.g. tf_keras~=2.21.0 "
+      "for TensorFlow 2.21).") from error
+import tensorflow as tf
+
+from tf_adacomp import exchange as exchange_lib
+from tf_adacomp import hierarchy as hierarchy_lib
+from tf_adacomp import replica_steps
+from tf_adacomp import stats
+from tf_adacomp.compressors import registry
+from tf_adacomp.ops import checks
+from tf_adacomp.ops import fused
+
+# The optimizers this wrapper takes: tf_keras' own (TF 2.11+) and its legacy ones
+# (OptimizerV2, which Horovod's DistributedOptimizer required).
+INNER_OPTIMIZERS = (tf_keras.optimizers.Optimizer, tf_keras.optimizers.legacy.Optimizer)
+
+
+@tf_keras.saving.register_keras_serializable(package="tf_adacomp")
+class CompressedOptimizer(tf_keras.optimizers.Optimizer):
+  """Wraps a tf_keras optimizer so that the replicas exchange compressed gradients.
+
+  Args:
+    inner_optimizer: a ``tf_keras.optimizers.Optimizer`` or a
+      ``tf_keras.optimizers.legacy.Optimizer``; it applies the decoded sum with its own
+      learning rate, schedule and slots.
+    compressor: a ``Compressor``, a registered name ("adacomp", "topk", "fp16", "bf16",
+      "fft", "none") or a serialized compressor. Default "adacomp".
+    start_step: int >= 0; the first ``start_step`` steps exchange dense float32
+      gradients before compression begins (residues stay zero meanwhile).
+    reduction: "sum" (default) or "adasum": how the replicas' gradients combine
+      (Horovod's ``op=hvd.Adasum`` is "adasum").
+    local_clipnorm: None (default) or a float > 0: each replica's own mean gradient is
+      clipped to this global norm before it enters its residue.
+    hierarchical: None (default), True or False, as for ``tf_adacomp.CompressedOptimizer``:
+      whether the devices of one worker sum their gradients densely and send one
+      compressed payload per worker (None: when a worker has several devices).
+    devices_per_worker: None or an int >= 1, as for ``tf_adacomp.CompressedOptimizer``.
+    name: the optimizer's name.
+
+  Raises:
+    TypeError: ``inner_optimizer`` is not a tf_keras optimizer (a Keras 3 one is named
+      with the wrapper to use instead).
+    ValueError: an argument out of its range, named with the value received.
+  """
+
+  def __init__(self, inner_optimizer, compressor="adacomp", start_step=0, reduction="sum",
+               local_clipnorm=None, hierarchical=None, devices_per_worker=None,
+               name="CompressedOptimizer"):
+    if not isinstance(inner_optimizer, INNER_OPTIMIZERS):
+      hint = (" It is a Keras 3 optimizer: wrap it with tf_adacomp.CompressedOptimizer."
+              if type(inner_optimizer).__module__.startswith("keras.") else "")
+      raise TypeError(f"`inner_optimizer` must be a tf_keras optimizer (tf_keras.optimizers."
+                      f"Optimizer or tf_keras.optimizers.legacy.Optimizer).{hint} Received: "
+                      f"inner_optimizer={inner_optimizer!r}")
+    if isinstance(inner_optimizer, (CompressedOptimizer,
+                                    tf_keras.mixed_precision.LossScaleOptimizer)):
+      raise TypeError(f"`inner_optimizer` must be a plain tf_keras optimizer, not a "
+                      f"{type(inner_optimizer).__name__}. Received: "
+                      f"inner_optimizer={inner_optimizer!r}")
+    compressor = registry.get_compressor(compressor)
+    start_step = checks.non_negative_int(start_step, "start_step")
+    reduction = exchange_lib.check_reduction(reduction)
+    local_clipnorm = checks.positive_number(local_clipnorm, "local_clipnorm", optional=True)
+    hierarchical = hierarchy_lib.check_hierarchical(hierarchical)
+    devices_per_worker = hierarchy_lib.check_devices_per_worker(devices_per_worker)
+    # Not Optimizer.__init__: it would make an `iterations` of the wrapper's own, and
+    # every base setting (clipping, weight decay, EMA) is the inner optimizer's.
+    self.name = name
+    self._variables = self._no_dependency([])
+    self._mesh = None
+    self._run_with_dtensor = False
+    self._distribution_strategy = tf.distribute.get_strategy()
+    self.inner_optimizer = inner_optimizer
+    self.compressor = compressor
+    self.start_step = start_step
+    self.reduction = reduction
+    self.local_clipnorm = local_clipnorm
+    self.hierarchical = hierarchical
+    self.devices_per_worker = devices_per_worker
+    self._exchange = exchange_lib.Exchange(compressor, reduction)
+    self._built = False
+
+  # --- Variables -------------------------------------------------------------------
+
+  def build(self, var_list):
+    """Creates the residues (one value per replica) for ``var_list``; once.
+
+    Args:
+      var_list: the model's trainable variables, in the order their gradients come.
+    """
+    if self._built:
+      return
+    strategy = tf.distribute.get_strategy()
+    self._distribution_strategy = strategy
+    self.hierarchy = hierarchy_lib.resolve(strategy, self.hierarchical,
+                                           self.devices_per_worker)
+    self._index = {_key(v): i for i, v in enumerate(var_list)}
+    self.plans = [self.compressor.plan(v.shape, v.dtype, v.name) for v in var_list]
+    residues = []
+    for variable, plan in zip(var_list, self.plans):
+      name = variable.name.split(":")[0].replace("/", "_") + "_residue"
+      residues.append(tuple(_replica_variable(strategy, variable, spec, name)
+                            for spec in self.compressor.state_specs(plan)))
+    self.residues = residues
+    with strategy.extended.colocate_vars_with(var_list[0]):
+      self.bytes_sent = tf.Variable(
+          tf.zeros([len(var_list)], tf.int64), trainable=False, name="bytes_sent",
+          synchronization=tf.VariableSynchronization.ON_READ,
+          aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+    # Listed for `variables`, not tracked: a checkpoint names them by their attributes.
+    self._variables = self._no_dependency(
+        [v for state in residues for v in state] + [self.bytes_sent])
+    self._built = True
+
+  @property
+  def variables(self):
+    """The wrapper's variables (residues, ``bytes_sent``), then the inner optimizer's."""
+    inner = self.inner_optimizer.variables
+    return list(self._variables) + list(inner() if callable(inner) else inner)
+
+  # --- Applying gradients ----------------------------------------------------------
+
+  def apply_gradients(self, grads_and_vars, name=None, skip_gradients_aggregation=False,
+                      **kwargs):
+    """Exchanges the gradients compressed and applies their decoded sum.
+
+    Args:
+      grads_and_vars: ``(gradient, variable)`` pairs of this replica (None gradients
+        are left out, as tf_keras does).
+      name: unused (tf_keras' signature).
+      skip_gradients_aggregation: must be False: this wrapper is the aggregation.
+      **kwargs: ``experimental_aggregate_gradients`` (the legacy name), must be True.
+
+    Returns:
+      The inner optimizer's ``iterations``.
+
+    Raises:
+      ValueError: called in a cross-replica context, or with gradients aggregated
+        already (by a ``LossScaleOptimizer`` around this wrapper, for instance).
+    """
+    del name
+    aggregate = kwargs.pop("experimental_aggregate_gradients", True)
+    if kwargs:
+      raise TypeError(f"Unexpected arguments of apply_gradients: {sorted(kwargs)}")
+    if skip_gradients_aggregation or not aggregate:
+      raise ValueError(
+          "tf_adacomp's CompressedOptimizer aggregates the gradients itself (compressed): "
+          "it cannot take gradients aggregated already (tf_keras' LossScaleOptimizer "
+          "aggregates them first; mixed precision is supported with Keras 3's "
+          "tf_adacomp.CompressedOptimizer). Received: skip_gradients_aggregation="
+          f"{skip_gradients_aggregation}, experimental_aggregate_gradients={aggregate}")
+    if tf.distribute.in_cross_replica_context():
+      raise ValueError("CompressedOptimizer.apply_gradients() must be called in a replica "
+                       "context (in model.fit, or inside strategy.run).")
+    pairs = [(g, v) for g, v in grads_and_vars if g is not None]
+    if not pairs:
+      raise ValueError("No gradients provided for any variable.")
+    # An Embedding's IndexedSlices are made dense (Horovod's sparse_as_dense=True): a
+    # payload's size depends on what is selected, not on how many rows the batch touched.
+    grads = [tf.convert_to_tensor(g) for g, _ in pairs]
+    variables = [v for _, v in pairs]
+    with tf.init_scope():
+      self.build(variables)
+    indices = [self._index[_key(v)] for v in variables]
+    plans = [self.plans[i] for i in indices]
+    states = [tuple(tf.convert_to_tensor(r) for r in self.residues[i]) for i in indices]
+    dense = self.iterations < self.start_step if self.start_step else None
+    replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+    if self.local_clipnorm is not None:
+      # Each replica's own mean gradient is grads * replicas: clip it to local_clipnorm.
+      grads = replica_steps.clip_by_global_norm(grads, self.local_clipnorm / replicas)
+    exchanged = self._exchange.replica_exchange(plans, grads, states, dense, self.hierarchy)
+    # tf_keras divides each replica's loss by the replica count: the sum of the gradients
+    # is the mean gradient (with Adasum, the Adasum of the replicas' own mean gradients).
+    sums = [self._exchange.reduction.to_sum(s, replicas) for s in exchanged.sums]
+    finite = fused.all_finite(sums)
+    for i, old, new in zip(indices, states, exchanged.states):
+      for variable, old_value, new_value in zip(self.residues[i], old, new):
+        variable.assign(tf.where(finite, new_value, old_value))
+    self.bytes_sent.assign(tf.tensor_scatter_nd_update(
+        tf.zeros([len(self.plans)], tf.int64), [[i] for i in indices],
+        [tf.cast(b, tf.int64) for b in exchanged.nbytes]))
+
+    def apply(summed):
+      # The sum is every replica's total already: no dense all-reduce of its own.
+      self.inner_optimizer.apply_gradients(list(zip(summed, variables)),
+                                           experimental_aggregate_gradients=False)
+      return tf.constant(True)
+
+    replica_steps.on_every_replica_if(finite, apply, sums)
+    return self.iterations
+
+  def minimize(self, loss, var_list, tape=None):
+    """Computes the gradients of ``loss`` and applies them (``apply_gradients``).
+
+    Args:
+      loss: a tensor (with ``tape``) or a callable returning the loss.
+      var_list: the variables, or a callable returning them.
+      tape: the ``tf.GradientTape`` that computed a tensor ``loss``.
+    """
+    self.apply_gradients(self.compute_gradients(loss, var_list, tape))
+
+  # --- Forwarded to the inner optimizer -------------------------------------------
+
+  @property
+  def iterations(self):
+    """The inner optimizer's step counter (a skipped step does not count)."""
+    return self.inner_optimizer.iterations
+
+  @iterations.setter
+  def iterations(self, variable):
+    self.inner_optimizer.iterations = variable
+
+  @property
+  def learning_rate(self):
+    return self.inner_optimizer.learning_rate
+
+  @learning_rate.setter
+  def learning_rate(self, learning_rate):
+    self.inner_optimizer.learning_rate = learning_rate
+
+  lr = learning_rate
+
+  def finalize_variable_values(self, var_list):
+    finalize = getattr(self.inner_optimizer, "finalize_variable_values", None)
+    if finalize is not None:
+      finalize(var_list)
+
+  # --- Statistics and serialization -----------------------------------------------
+
+  def variable_bytes(self):
+    """``[(plan, bytes one replica sent for that variable in the last step)]``."""
+    if not self._built:
+      return []
+    return list(zip(self.plans, (int(b) for b in self.bytes_sent.numpy())))
+
+  def compression_stats(self):
+    """Bytes of the last step per variable kind and in total (``tf_adacomp.stats``)."""
+    return stats.summarize(self.variable_bytes()) if self._built else {}
+
+  def get_config(self):
+    return {
+        "name": self.name,
+        "inner_optimizer": tf_keras.optimizers.serialize(self.inner_optimizer),
+        "compressor": registry.serialize(self.compressor),
+        "start_step": self.start_step,
+        "reduction": self.reduction,
+        "local_clipnorm": self.local_clipnorm,
+        "hierarchical": self.hierarchical,
+        "devices_per_worker": self.devices_per_worker,
+    }
+
+  @classmethod
+  def from_config(cls, config, custom_objects=None):
+    """Makes a ``CompressedOptimizer`` from a ``get_config()`` dict.
+
+    Args:
+      config: the dict ``get_config`` returns.
+      custom_objects: for tf_keras' deserialization of the inner optimizer.
+
+    Returns:
+      The optimizer.
+
+    Raises:
+      TypeError: ``config`` is not a dict.
+      ValueError: ``config`` has no ``inner_optimizer``, or it cannot be deserialized.
+    """
+    if not isinstance(config, dict):
+      raise TypeError("`config` must be a dict, as CompressedOptimizer.get_config() "
+                      f"returns. Received: config={config!r:.400}")
+    if "inner_optimizer" not in config:
+      raise ValueError("CompressedOptimizer.from_config needs the key 'inner_optimizer'. "
+                       f"Received: config={config!r:.400}")
+    config = dict(config)
+    inner = config.pop("inner_optimizer")
+    if not isinstance(inner, INNER_OPTIMIZERS):
+      legacy = "legacy" in str(inner.get("module", "")) if isinstance(inner, dict) else False
+      try:
+        inner = tf_keras.optimizers.deserialize(inner, custom_objects=custom_objects,
+                                                use_legacy_optimizer=legacy)
+      except (TypeError, ValueError) as error:
+        raise ValueError(f"`inner_optimizer` in the config of CompressedOptimizer cannot "
+                         f"be deserialized ({error}). Received: "
+                         f"inner_optimizer={inner!r:.400}") from error
+    return cls(inner, **config)
+
+
+def _key(variable):
+  """One key per model variable, whether given as the distributed variable or as one
+  replica's component of it (tf_keras' ``Optimizer._var_key``)."""
+  if hasattr(variable, "_distributed_container"):
+    variable = variable._distributed_container()  # pylint: disable=protected-access
+  return id(variable)
+
+
+def _replica_variable(strategy, reference, spec, name):
+  """A variable with one value per replica, colocated with ``reference``: a floating
+  state (a residue) is stored summed over the replicas and split evenly on restore; an
+  integer state (the FFT compressor's counter) is the same on every replica, stored as
+  the first replica's."""
+  aggregation = (tf.VariableAggregation.SUM if spec.dtype.is_floating
+                 else tf.VariableAggregation.ONLY_FIRST_REPLICA)
+  with strategy.extended.colocate_vars_with(reference):
+    return tf.Variable(tf.zeros(spec.shape, spec.dtype), trainable=False, name=name,
+                       synchronization=tf.VariableSynchronization.ON_READ,
+                       aggregation=aggregation)
