@@ -87,6 +87,15 @@ def test_network_runs_workers_across_limited_namespaces_and_cleans_up(tmp_path):
   assert all(e["step"] % 2 == 0 for e in run["evaluations"])
   assert local["bytes_to_target"] == sum(run["step_bytes_sent"][:local["steps_to_target"]])
   assert result["compute_only"]["mlp"]["median_step_seconds"] > 0
+  # One device per worker (the default), every worker's link counters read: what a
+  # worker sends crosses its link, so the link carries at least that.
+  assert result["devices_per_worker"] == [1]
+  for run in result["runs"].values():
+    assert run["devices_per_worker"] == 1 and run["replicas"] == 2 and run["workers"] == 2
+    assert run["hierarchy"] is None
+    for link in run["link_bytes_per_step_workers"]:
+      assert link["tx_bytes"] > 0 and link["rx_bytes"] > 0
+  assert adacomp["link_tx_bytes_per_step"] >= adacomp["bytes_sent_per_step"] > 0
   assert (tmp_path / "n.png").stat().st_size > 0
   leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
   assert "tfac" not in leftovers
