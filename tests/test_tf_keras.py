@@ -41,13 +41,18 @@ def _replica_values(variable):
   return [v.numpy() for v in variable.values]
 
 
-@pytest.mark.parametrize("kind", ["new", pytest.param("legacy", marks=pytest.mark.slow)])
-def test_no_compression_trains_like_the_plain_optimizer(kind):
+@pytest.mark.parametrize("kind, exchange", [
+    ("new", "updates"), pytest.param("new", "gradients", marks=pytest.mark.slow),
+    pytest.param("legacy", "gradients", marks=pytest.mark.slow)])
+def test_no_compression_trains_like_the_plain_optimizer(kind, exchange):
   strategy = _strategy(4)
   plain, plain_optimizer = _mlp(strategy, lambda: OPTIMIZERS[kind](0.1, momentum=0.9))
   _fit(plain, 6)
+  default = {"new": "updates", "legacy": "gradients"}[kind]
   model, optimizer = _mlp(strategy, lambda: adacomp_tf_keras.CompressedOptimizer(
-      OPTIMIZERS[kind](0.1, momentum=0.9), compressor="none"))
+      OPTIMIZERS[kind](0.1, momentum=0.9), compressor="none",
+      exchange=None if exchange == default else exchange))
+  assert optimizer.exchange == exchange
   _fit(model, 6)
   for expected, found in zip(plain.trainable_variables, model.trainable_variables):
     np.testing.assert_allclose(found.numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
@@ -78,9 +83,10 @@ def test_an_embeddings_sparse_gradient_is_exchanged_dense_as_the_plain_optimizer
 
 
 @pytest.mark.slow
-def test_adacomp_compresses_keeps_residues_and_replicas_identical():
+@pytest.mark.parametrize("exchange", ["updates", "gradients"])
+def test_adacomp_compresses_keeps_residues_and_replicas_identical(exchange):
   model, optimizer = _mlp(_strategy(2), lambda: adacomp_tf_keras.CompressedOptimizer(
-      tf_keras.optimizers.SGD(0.1, momentum=0.9)))
+      tf_keras.optimizers.SGD(0.1, momentum=0.9), exchange=exchange))
   losses = [_fit(model, 8)[-1] for _ in range(3)]
   assert losses[-1] < losses[0], losses
   assert optimizer.compression_stats()["total"]["ratio"] > 20
@@ -92,14 +98,23 @@ def test_adacomp_compresses_keeps_residues_and_replicas_identical():
     values = _replica_values(variable)
     for other in values[1:]:
       np.testing.assert_array_equal(other, values[0])
+  momentum = optimizer.inner_optimizer.variables()[1]  # the first kernel's
+  if exchange == "updates":  # each replica's own, stored as their mean
+    own = _replica_values(momentum)
+    assert not np.array_equal(own[0], own[1])
+    np.testing.assert_allclose(momentum.numpy(), (own[0] + own[1]) / 2, rtol=1e-6)
+  else:
+    assert np.abs(momentum.numpy()).sum() > 0
 
 
-def test_a_non_finite_gradient_on_one_replica_changes_nothing():
+@pytest.mark.parametrize("exchange", ["updates", "gradients"])
+def test_a_non_finite_gradient_on_one_replica_changes_nothing(exchange):
   strategy = _strategy(2)
   with strategy.scope():
     variable = tf.Variable([1.0, 2.0, 3.0, 4.0])
     optimizer = adacomp_tf_keras.CompressedOptimizer(
-        tf_keras.optimizers.SGD(0.1, momentum=0.9), compressor=tf_adacomp.TopK(0.5))
+        tf_keras.optimizers.SGD(0.1, momentum=0.9), compressor=tf_adacomp.TopK(0.5),
+        exchange=exchange)
 
   @tf.function
   def step(bad):
@@ -111,13 +126,14 @@ def test_a_non_finite_gradient_on_one_replica_changes_nothing():
     strategy.run(replica_step)
 
   step(tf.constant(False))
-  before = (variable.numpy(), [r.numpy() for r in optimizer.residues[0][0].values],
-            [v.numpy() for v in optimizer.inner_optimizer.variables],
-            int(optimizer.iterations.numpy()))
+  def state():
+    return (variable.numpy(), [r.numpy() for r in optimizer.residues[0][0].values],
+            [x.numpy() for v in optimizer.inner_optimizer.variables()
+             for x in getattr(v, "values", [v])], int(optimizer.iterations.numpy()))
+
+  before = state()
   step(tf.constant(True))
-  after = (variable.numpy(), [r.numpy() for r in optimizer.residues[0][0].values],
-           [v.numpy() for v in optimizer.inner_optimizer.variables],
-           int(optimizer.iterations.numpy()))
+  after = state()
   np.testing.assert_array_equal(after[0], before[0])
   for a, b in zip(after[1] + after[2], before[1] + before[2]):
     np.testing.assert_array_equal(a, b)
@@ -149,7 +165,7 @@ def test_residues_restore_from_a_checkpoint_onto_fewer_replicas(kind, tmp_path):
 
   model, optimizer = _mlp(_strategy(4), wrapped)
   _fit(model, 5)
-  totals = [r[0].numpy() for r in optimizer.residues]  # the sum over the 4 replicas
+  totals = [sum(_replica_values(r[0])) for r in optimizer.residues]  # 4 replicas' sum
   assert all(np.abs(t).sum() > 0 for t in totals)
   path = tf.train.Checkpoint(model=model, optimizer=optimizer).save(str(tmp_path / "ckpt"))
 
@@ -158,10 +174,9 @@ def test_residues_restore_from_a_checkpoint_onto_fewer_replicas(kind, tmp_path):
   tf.train.Checkpoint(model=restored_model, optimizer=restored).restore(path)
   with strategy.scope():  # the residues are made after the restore: a deferred restore
     restored.build(restored_model.trainable_variables)
-  for total, state in zip(totals, restored.residues):
-    np.testing.assert_allclose(state[0].numpy(), total, rtol=1e-6, atol=1e-7)
-    halves = _replica_values(state[0])
-    np.testing.assert_allclose(halves[0], halves[1])
+  for total, state in zip(totals, restored.residues):  # split evenly over 2 replicas
+    for half in _replica_values(state[0]):
+      np.testing.assert_allclose(half, total / 2, rtol=1e-5, atol=1e-6)
   assert int(restored.iterations.numpy()) == 5
   _fit(restored_model, 2)  # and training goes on from there
   assert int(restored.iterations.numpy()) == 7
@@ -183,6 +198,7 @@ def test_the_config_round_trips(kind):
     assert {k: v for k, v in found.items() if k != "inner_optimizer"} == {
         k: v for k, v in config.items() if k != "inner_optimizer"}
     assert type(again.inner_optimizer) is type(optimizer.inner_optimizer)
+    assert again.exchange == ("updates" if kind == "new" else "gradients")
     assert again.compressor.dense_bin_size == 100
     assert float(again.learning_rate) == pytest.approx(0.05)
 
@@ -216,10 +232,17 @@ def test_a_keras_3_optimizer_is_refused_naming_the_wrapper_to_use():
     ({"compressor": "nope"}, "nope"),
     ({"hierarchical": "yes"}, "hierarchical"),
     ({"devices_per_worker": 0}, "devices_per_worker"),
+    ({"exchange": "weights"}, "exchange"),
 ])
 def test_bad_arguments_are_refused_naming_them(kwargs, name):
   with pytest.raises((TypeError, ValueError), match=name):
     adacomp_tf_keras.CompressedOptimizer(tf_keras.optimizers.SGD(0.1), **kwargs)
+
+
+def test_a_legacy_optimizer_cannot_take_the_update_exchange():
+  with pytest.raises(TypeError, match=r"exchange=\"updates\".*tf_keras.optimizers.SGD"):
+    adacomp_tf_keras.CompressedOptimizer(tf_keras.optimizers.legacy.SGD(0.1),
+                                         exchange="updates")
 
 
 def test_a_loss_scale_optimizer_inside_or_around_is_refused():

@@ -51,3 +51,35 @@ def clip_scale(tensors, clipnorm):
     return tf.constant(1.0)
   norm = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(tf.cast(t, tf.float32))) for t in present]))
   return tf.where(tf.math.is_finite(norm), tf.minimum(1.0, clipnorm / norm), 1.0)
+
+
+def assign_per_replica(strategy, variables, values):
+  """Sets each replica's copy of each ``tf.Variable`` to that replica's value (for
+  weights the values are equal on all replicas; for optimizer slots they may differ).
+
+  Args:
+    strategy: the strategy the variables belong to.
+    variables: distributed ``tf.Variable`` objects.
+    values: one tensor per variable, this replica's.
+  """
+  def assign(distribution, values):
+    for variable, value in zip(variables, values):
+      distribution.extended.update(variable, lambda var, x: var.assign(x), args=(value,),
+                                   group=False)
+
+  tf.__internal__.distribute.interim.maybe_merge_call(assign, strategy, values)
+
+
+def one_value_per_replica(next_creator, **kwargs):
+  """A variable creator: a floating variable gets on-read synchronization and ``mean``
+  aggregation (each replica keeps its own copy; a checkpoint or a cross-replica read
+  gets the mean of the copies, and a restore sets every copy). Others are left as they
+  are (a step counter is the same on every replica)."""
+  dtype = kwargs.get("dtype")
+  initial = kwargs.get("initial_value")
+  if dtype is None and initial is not None and not callable(initial):
+    dtype = getattr(initial, "dtype", None)
+  if dtype is None or tf.as_dtype(dtype).is_floating:
+    kwargs["synchronization"] = tf.VariableSynchronization.ON_READ
+    kwargs["aggregation"] = tf.VariableAggregation.MEAN
+  return next_creator(**kwargs)

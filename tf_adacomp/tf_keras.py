@@ -1,31 +1,44 @@
 """CompressedOptimizer for tf_keras (Keras 2, ``TF_USE_LEGACY_KERAS=1``).
 
 A ``tf_keras`` model trained with ``model.fit`` under ``MultiWorkerMirroredStrategy`` or
-``MirroredStrategy`` (Horovod's use) exchanges compressed gradients when its optimizer
-is wrapped, one line::
+``MirroredStrategy`` (Horovod's use) exchanges compressed payloads when its optimizer is
+wrapped, one line::
 
     import tf_keras  # or tf.keras with TF_USE_LEGACY_KERAS=1
-    from tf_adacomp import tf_keras as adacomp_tf_keras
+    from tf_adacomp import tf_keras as adacomp
 
-    optimizer = adacomp_tf_keras.CompressedOptimizer(tf_keras.optimizers.SGD(0.1, momentum=0.9))
+    optimizer = adacomp.CompressedOptimizer(tf_keras.optimizers.SGD(0.1, momentum=0.9))
 
-Each replica compresses its gradients with its own residue (error feedback), the compact
-payloads cross devices and workers through ``exchange.Exchange``, the one exchange
+The payloads cross devices and workers through ``exchange.Exchange``, the one exchange
 engine of the Keras 3 ``tf_adacomp.CompressedOptimizer`` and of ``CompressedAllReduce``,
-and the inner optimizer applies their decoded sum with its own dense all-reduce
-switched off. This is the Keras 3 wrapper's gradient exchange (``exchange="gradients"``):
-compressors, Adasum, the dense warm-up (``start_step``), local gradient clipping and the
-hierarchical exchange (devices of a worker sum densely first) work as they do there,
-and a step whose summed gradient is not finite changes nothing (weights, residues and
-the inner optimizer's slots and ``iterations`` stay as they were).
+with each replica's residue (error feedback) for what it has not sent yet. The two
+exchanges of the Keras 3 wrapper (``exchange=``):
+
+- ``"updates"`` (the default for a ``tf_keras.optimizers.Optimizer``): each replica
+  steps the inner optimizer on its own mean gradient with its own slots (momentum, Adam
+  moments: one value per replica, stored in checkpoints as their mean), and every
+  replica sets its weights to the weights before the step plus the mean of the
+  replicas' compressed updates. For SGD with momentum this is Deep Gradient
+  Compression's momentum correction; without compression it is the plain optimizer's
+  step. Each replica's Adam moments are its own (the Keras 3 wrapper's
+  ``second_moment="local"``).
+- ``"gradients"`` (the default for a legacy optimizer, whose slots this wrapper cannot
+  give one value per replica; Horovod's ``DistributedOptimizer``): the gradients are
+  compressed and the inner optimizer applies their decoded sum, with its own dense
+  all-reduce switched off.
+
+Compressors, Adasum, the dense warm-up (``start_step``), local gradient clipping and the
+hierarchical exchange (devices of a worker sum densely first) work as in the Keras 3
+wrapper, and a step whose gradients (or combined update) are not finite changes neither
+the weights nor the residues.
 
 The residues are the wrapper's variables, one value per replica: a ``tf.train.Checkpoint``
 of the model or optimizer (``ModelCheckpoint``, ``BackupAndRestore``,
 ``model.save_weights``) stores their sum and a restore splits it over the replicas then
 present, as in the Keras 3 wrapper.
 
-Not here (Keras 3 only, ``tf_adacomp.CompressedOptimizer``): the update exchange
-(``exchange="updates"``, its shared Adam moment and ``local_steps``), and mixed
+Not here (Keras 3 only, ``tf_adacomp.CompressedOptimizer``): the shared Adam moment
+(``second_moment="shared"``/``"global"``), ``local_steps``, momentum masking, and mixed
 precision (a ``LossScaleOptimizer`` around this wrapper is refused at its first step).
 """
 
@@ -49,22 +62,28 @@ from tf_adacomp.ops import fused
 # The optimizers this wrapper takes: tf_keras' own (TF 2.11+) and its legacy ones
 # (OptimizerV2, which Horovod's DistributedOptimizer required).
 INNER_OPTIMIZERS = (tf_keras.optimizers.Optimizer, tf_keras.optimizers.legacy.Optimizer)
+EXCHANGES = ("gradients", "updates")
 
 
 @tf_keras.saving.register_keras_serializable(package="tf_adacomp")
 class CompressedOptimizer(tf_keras.optimizers.Optimizer):
-  """Wraps a tf_keras optimizer so that the replicas exchange compressed gradients.
+  """Wraps a tf_keras optimizer so that the replicas exchange compressed updates or
+  gradients (see the module docstring).
 
   Args:
     inner_optimizer: a ``tf_keras.optimizers.Optimizer`` or a
-      ``tf_keras.optimizers.legacy.Optimizer``; it applies the decoded sum with its own
-      learning rate, schedule and slots.
+      ``tf_keras.optimizers.legacy.Optimizer``, with its own learning rate, schedule
+      and slots.
     compressor: a ``Compressor``, a registered name ("adacomp", "topk", "fp16", "bf16",
       "fft", "none") or a serialized compressor. Default "adacomp".
     start_step: int >= 0; the first ``start_step`` steps exchange dense float32
       gradients before compression begins (residues stay zero meanwhile).
-    reduction: "sum" (default) or "adasum": how the replicas' gradients combine
-      (Horovod's ``op=hvd.Adasum`` is "adasum").
+    reduction: "sum" (default) or "adasum": how the replicas' contributions combine
+      (Horovod's ``op=hvd.Adasum`` is "adasum"; with ``exchange="updates"``, "sum"
+      applies the mean of the replicas' updates).
+    exchange: None (default), "updates" or "gradients". None: "updates" for a
+      ``tf_keras.optimizers.Optimizer``, "gradients" for a legacy one (which cannot take
+      "updates").
     local_clipnorm: None (default) or a float > 0: each replica's own mean gradient is
       clipped to this global norm before it enters its residue.
     hierarchical: None (default), True or False, as for ``tf_adacomp.CompressedOptimizer``:
@@ -75,13 +94,13 @@ class CompressedOptimizer(tf_keras.optimizers.Optimizer):
 
   Raises:
     TypeError: ``inner_optimizer`` is not a tf_keras optimizer (a Keras 3 one is named
-      with the wrapper to use instead).
+      with the wrapper to use instead), or is a legacy one with ``exchange="updates"``.
     ValueError: an argument out of its range, named with the value received.
   """
 
   def __init__(self, inner_optimizer, compressor="adacomp", start_step=0, reduction="sum",
-               local_clipnorm=None, hierarchical=None, devices_per_worker=None,
-               name="CompressedOptimizer"):
+               exchange=None, local_clipnorm=None, hierarchical=None,
+               devices_per_worker=None, name="CompressedOptimizer"):
     if not isinstance(inner_optimizer, INNER_OPTIMIZERS):
       hint = (" It is a Keras 3 optimizer: wrap it with tf_adacomp.CompressedOptimizer."
               if type(inner_optimizer).__module__.startswith("keras.") else "")
@@ -96,6 +115,17 @@ class CompressedOptimizer(tf_keras.optimizers.Optimizer):
     compressor = registry.get_compressor(compressor)
     start_step = checks.non_negative_int(start_step, "start_step")
     reduction = exchange_lib.check_reduction(reduction)
+    if exchange is None:  # the update exchange where each replica can keep its own slots
+      exchange = ("updates" if isinstance(inner_optimizer, tf_keras.optimizers.Optimizer)
+                  else "gradients")
+    if exchange not in EXCHANGES:
+      raise ValueError(f"`exchange` must be one of {EXCHANGES}. Received: exchange={exchange!r}")
+    if exchange == "updates" and not isinstance(inner_optimizer, tf_keras.optimizers.Optimizer):
+      raise TypeError(
+          "`exchange=\"updates\"` needs a tf_keras.optimizers.Optimizer (each replica keeps "
+          "its own slots, which a legacy optimizer makes where this wrapper cannot reach): "
+          "tf_keras.optimizers.legacy.SGD becomes tf_keras.optimizers.SGD. Received: "
+          f"inner_optimizer={inner_optimizer!r}")
     local_clipnorm = checks.positive_number(local_clipnorm, "local_clipnorm", optional=True)
     hierarchical = hierarchy_lib.check_hierarchical(hierarchical)
     devices_per_worker = hierarchy_lib.check_devices_per_worker(devices_per_worker)
@@ -110,6 +140,7 @@ class CompressedOptimizer(tf_keras.optimizers.Optimizer):
     self.compressor = compressor
     self.start_step = start_step
     self.reduction = reduction
+    self.exchange = exchange
     self.local_clipnorm = local_clipnorm
     self.hierarchical = hierarchical
     self.devices_per_worker = devices_per_worker
@@ -146,6 +177,11 @@ class CompressedOptimizer(tf_keras.optimizers.Optimizer):
     # Listed for `variables`, not tracked: a checkpoint names them by their attributes.
     self._variables = self._no_dependency(
         [v for state in residues for v in state] + [self.bytes_sent])
+    if self.exchange == "updates":
+      # Each replica steps the inner optimizer with its own state: its slots hold one
+      # value per replica, and a checkpoint stores their mean.
+      with tf.variable_creator_scope(replica_steps.one_value_per_replica):
+        self.inner_optimizer.build(var_list)
     self._built = True
 
   @property
@@ -191,10 +227,9 @@ class CompressedOptimizer(tf_keras.optimizers.Optimizer):
     pairs = [(g, v) for g, v in grads_and_vars if g is not None]
     if not pairs:
       raise ValueError("No gradients provided for any variable.")
-    # An Embedding's IndexedSlices are made dense (Horovod's sparse_as_dense=True): a
-    # payload's size depends on what is selected, not on how many rows the batch touched.
-    grads = [tf.convert_to_tensor(g) for g, _ in pairs]
-    variables = [v for _, v in pairs]
+    # (An Embedding's IndexedSlices are made dense by the exchange: Horovod's
+    # sparse_as_dense=True, always.)
+    grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
     with tf.init_scope():
       self.build(variables)
     indices = [self._index[_key(v)] for v in variables]
@@ -202,6 +237,9 @@ class CompressedOptimizer(tf_keras.optimizers.Optimizer):
     states = [tuple(tf.convert_to_tensor(r) for r in self.residues[i]) for i in indices]
     dense = self.iterations < self.start_step if self.start_step else None
     replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+    if self.exchange == "updates":
+      self._apply_updates(grads, variables, indices, plans, states, dense)
+      return self.iterations
     if self.local_clipnorm is not None:
       # Each replica's own mean gradient is grads * replicas: clip it to local_clipnorm.
       grads = replica_steps.clip_by_global_norm(grads, self.local_clipnorm / replicas)
@@ -210,12 +248,8 @@ class CompressedOptimizer(tf_keras.optimizers.Optimizer):
     # is the mean gradient (with Adasum, the Adasum of the replicas' own mean gradients).
     sums = [self._exchange.reduction.to_sum(s, replicas) for s in exchanged.sums]
     finite = fused.all_finite(sums)
-    for i, old, new in zip(indices, states, exchanged.states):
-      for variable, old_value, new_value in zip(self.residues[i], old, new):
-        variable.assign(tf.where(finite, new_value, old_value))
-    self.bytes_sent.assign(tf.tensor_scatter_nd_update(
-        tf.zeros([len(self.plans)], tf.int64), [[i] for i in indices],
-        [tf.cast(b, tf.int64) for b in exchanged.nbytes]))
+    self._keep_states(indices, states, exchanged.states, finite)
+    self._record_bytes(indices, exchanged.nbytes)
 
     def apply(summed):
       # The sum is every replica's total already: no dense all-reduce of its own.
@@ -225,6 +259,51 @@ class CompressedOptimizer(tf_keras.optimizers.Optimizer):
 
     replica_steps.on_every_replica_if(finite, apply, sums)
     return self.iterations
+
+  def _apply_updates(self, grads, variables, indices, plans, states, dense):
+    """The update exchange: each replica steps the inner optimizer on its own mean
+    gradient with its own slots, and every replica sets its weights to the weights
+    before plus the mean (or Adasum) of the replicas' compressed updates."""
+    ctx = tf.distribute.get_replica_context()
+    replicas = ctx.num_replicas_in_sync
+    # tf_keras divides each replica's loss by the replica count.
+    own = [tf.convert_to_tensor(g) * replicas for g in grads]
+    if self.local_clipnorm is not None:
+      own = replica_steps.clip_by_global_norm(own, self.local_clipnorm)
+    # Every replica must take the same branch: step only if all gradients are finite.
+    bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                         tf.cast(tf.logical_not(fused.all_finite(own)), tf.float32))
+    stepped = tf.equal(bad, 0.0)
+    before = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
+
+    def step(local):
+      self.inner_optimizer.apply_gradients(list(zip(local, variables)),
+                                           experimental_aggregate_gradients=False)
+      return tf.constant(True)
+
+    with tf.control_dependencies(before):
+      replica_steps.on_every_replica_if(stepped, step, own)
+    # Automatic control dependencies order these reads after the local step.
+    deltas = [tf.convert_to_tensor(v) - b for v, b in zip(variables, before)]
+    exchanged = self._exchange.replica_exchange(plans, deltas, states, dense, self.hierarchy)
+    combined = [self._exchange.reduction.to_mean(s, replicas) for s in exchanged.sums]
+    finite = tf.logical_and(stepped, fused.all_finite(combined))
+    self._keep_states(indices, states, exchanged.states, finite)
+    self._record_bytes(indices, exchanged.nbytes)
+    replica_steps.assign_per_replica(
+        self._distribution_strategy, variables,
+        [fused.add_if(finite, b, c) for b, c in zip(before, combined)])
+
+  def _keep_states(self, indices, old_states, new_states, finite):
+    """Stores the compressor states of a finite step; keeps the old ones otherwise."""
+    for i, old, new in zip(indices, old_states, new_states):
+      for variable, old_value, new_value in zip(self.residues[i], old, new):
+        variable.assign(tf.where(finite, new_value, old_value))
+
+  def _record_bytes(self, indices, nbytes):
+    self.bytes_sent.assign(tf.tensor_scatter_nd_update(
+        tf.zeros([len(self.plans)], tf.int64), [[i] for i in indices],
+        [tf.cast(b, tf.int64) for b in nbytes]))
 
   def minimize(self, loss, var_list, tape=None):
     """Computes the gradients of ``loss`` and applies them (``apply_gradients``).
@@ -281,6 +360,7 @@ class CompressedOptimizer(tf_keras.optimizers.Optimizer):
         "compressor": registry.serialize(self.compressor),
         "start_step": self.start_step,
         "reduction": self.reduction,
+        "exchange": self.exchange,
         "local_clipnorm": self.local_clipnorm,
         "hierarchical": self.hierarchical,
         "devices_per_worker": self.devices_per_worker,
