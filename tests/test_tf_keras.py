@@ -259,6 +259,16 @@ def test_a_loss_scale_optimizer_inside_or_around_is_refused():
   assert int(wrapper.iterations.numpy()) == 0
 
 
+def test_a_variable_the_optimizer_was_not_built_for_is_refused_naming_it():
+  optimizer = adacomp_tf_keras.CompressedOptimizer(tf_keras.optimizers.SGD(0.1))
+  known = tf.Variable([1.0, 2.0], name="known")
+  optimizer.apply_gradients([(tf.ones([2]), known)])
+  stranger = tf.Variable([3.0, 4.0], name="stranger")
+  with pytest.raises(ValueError, match="stranger"):
+    optimizer.apply_gradients([(tf.ones([2]), stranger)])
+  np.testing.assert_array_equal(stranger.numpy(), [3.0, 4.0])
+
+
 def test_from_config_without_the_inner_optimizer_is_refused_naming_the_key():
   with pytest.raises(ValueError, match="inner_optimizer"):
     adacomp_tf_keras.CompressedOptimizer.from_config({"compressor": "adacomp"})

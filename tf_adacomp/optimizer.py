@@ -409,7 +409,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       # Each replica steps the inner optimizer with its own state, so its slots hold one
       # value per replica (on-read, as the residues), and a checkpoint stores their mean
       # rather than replica 0's copy.
-      with tf.variable_creator_scope(_one_value_per_replica):
+      with tf.variable_creator_scope(replica_steps.one_value_per_replica):
         self.inner_optimizer.build(var_list)
     else:
       self.inner_optimizer.build(var_list)
@@ -787,14 +787,9 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
   def _assign_per_replica(self, variables, values):
     """Sets each replica's copy of each variable to that replica's value (for weights the
     values are equal on all replicas; for the inner optimizer's slots they differ)."""
-    def assign(distribution, values):
-      for variable, value in zip(variables, values):
-        distribution.extended.update(
-            variable.value if isinstance(variable, keras.Variable) else variable,
-            lambda var, x: var.assign(x), args=(value,), group=False)
-
-    tf.__internal__.distribute.interim.maybe_merge_call(
-        assign, self._distribution_strategy, values)
+    replica_steps.assign_per_replica(
+        self._distribution_strategy,
+        [v.value if isinstance(v, keras.Variable) else v for v in variables], values)
 
   def _record_bytes(self, indices, nbytes, traced=True):
     values = tf.tensor_scatter_nd_update(
@@ -1022,14 +1017,6 @@ def _assigned(variable, value):
   """Assigns ``value`` to ``variable`` (this replica's copy) and returns ``value``."""
   with tf.control_dependencies([variable.assign(value)]):
     return tf.identity(value)
-
-
-def _one_value_per_replica(next_creator, **kwargs):
-  """A variable creator: on-read synchronization, ``mean`` aggregation (a checkpoint or a
-  cross-replica read gets the mean of the replicas' copies; a restore sets every copy)."""
-  kwargs["synchronization"] = tf.VariableSynchronization.ON_READ
-  kwargs["aggregation"] = tf.VariableAggregation.MEAN
-  return next_creator(**kwargs)
 
 
 def _variable_path(variable):

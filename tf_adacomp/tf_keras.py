@@ -232,6 +232,11 @@ class CompressedOptimizer(tf_keras.optimizers.Optimizer):
     grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
     with tf.init_scope():
       self.build(variables)
+    unknown = [v.name for v in variables if _key(v) not in self._index]
+    if unknown:
+      raise ValueError(f"CompressedOptimizer was built for other variables (its residues "
+                       f"are theirs): make a new optimizer for these. Received variables "
+                       f"it does not know: {unknown}")
     indices = [self._index[_key(v)] for v in variables]
     plans = [self.plans[i] for i in indices]
     states = [tuple(tf.convert_to_tensor(r) for r in self.residues[i]) for i in indices]
