@@ -87,7 +87,7 @@ def test_an_embeddings_sparse_gradient_is_exchanged_dense_as_the_plain_optimizer
 def test_adacomp_compresses_keeps_residues_and_replicas_identical(exchange):
   model, optimizer = _mlp(_strategy(2), lambda: adacomp_tf_keras.CompressedOptimizer(
       tf_keras.optimizers.SGD(0.1, momentum=0.9), exchange=exchange))
-  losses = [_fit(model, 8)[-1] for _ in range(3)]
+  losses = [_fit(model, 8)[-1] for _ in range(2)]
   assert losses[-1] < losses[0], losses
   assert optimizer.compression_stats()["total"]["ratio"] > 20
   kernel_residue = optimizer.residues[0][0]
@@ -205,8 +205,9 @@ def test_the_config_round_trips(kind):
 
 @pytest.mark.slow
 def test_adasum_and_the_hierarchy_train_with_replicas_identical():
-  for kwargs in ({"reduction": "adasum"}, {"hierarchical": True, "devices_per_worker": 2}):
-    model, optimizer = _mlp(_strategy(4), lambda: adacomp_tf_keras.CompressedOptimizer(
+  for replicas, kwargs in ((2, {"reduction": "adasum"}),
+                           (4, {"hierarchical": True, "devices_per_worker": 2})):
+    model, optimizer = _mlp(_strategy(replicas), lambda: adacomp_tf_keras.CompressedOptimizer(
         tf_keras.optimizers.SGD(0.05), **kwargs))
     losses = [_fit(model, 6)[-1] for _ in range(2)]
     assert losses[-1] < losses[0], (kwargs, losses)

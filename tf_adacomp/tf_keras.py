@@ -194,7 +194,8 @@ class CompressedOptimizer(tf_keras.optimizers.Optimizer):
 
   def apply_gradients(self, grads_and_vars, name=None, skip_gradients_aggregation=False,
                       **kwargs):
-    """Exchanges the gradients compressed and applies their decoded sum.
+    """Exchanges this replica's updates (or gradients) compressed and applies their
+    mean (or sum) on every replica.
 
     Args:
       grads_and_vars: ``(gradient, variable)`` pairs of this replica (None gradients
@@ -407,10 +408,8 @@ class CompressedOptimizer(tf_keras.optimizers.Optimizer):
 
 
 def _key(variable):
-  """One key per model variable, whether given as the distributed variable or as one
-  replica's component of it (tf_keras' ``Optimizer._var_key``)."""
-  if hasattr(variable, "_distributed_container"):
-    variable = variable._distributed_container()  # pylint: disable=protected-access
+  """One key per model variable (``model.fit`` hands the optimizer the distributed
+  variables themselves, the same objects at every step)."""
   return id(variable)
 
 

@@ -610,3 +610,24 @@ def test_trackable_hooks_save_and_restore_compressed_all_reduce_states(tmp_path)
                    f"_restore_from_tensors sums 2 devices' values onto 1, got {split}")
   canaries.require(restored.states[0][0].numpy().tolist() == [5.0, 6.0], name, user,
                    "a checkpoint of the per-device layout restores through _lookup_dependency")
+
+
+# --- tf_keras.py: the tf_keras wrapper -------------------------------------------------
+
+TF_KERAS_WRAPPER = "tf_adacomp.tf_keras.CompressedOptimizer"
+
+
+def test_tf_keras_optimizer_init_sets_the_names_the_wrapper_sets_instead():
+  import tf_keras  # pylint: disable=import-outside-toplevel
+  optimizer = tf_keras.optimizers.SGD(0.1)
+  for attribute in ("_variables", "_mesh", "_run_with_dtensor", "_distribution_strategy"):
+    canaries.require(attribute in vars(optimizer), f"`tf_keras Optimizer.{attribute}`",
+                     TF_KERAS_WRAPPER, "set by Optimizer.__init__, which the wrapper skips")
+  optimizer.build([tf.Variable([1.0])])
+  canaries.require(getattr(optimizer, "_built", None) is True, "`tf_keras Optimizer._built`",
+                   TF_KERAS_WRAPPER, "True after build (the base class's build checks it)")
+  with canaries.watching("`AutoTrackable._no_dependency`", TF_KERAS_WRAPPER):
+    optimizer.kept = optimizer._no_dependency([])  # pylint: disable=protected-access
+  canaries.require(type(optimizer.kept) is list, "`AutoTrackable._no_dependency`",
+                   TF_KERAS_WRAPPER, f"an attribute set to it is a plain list, not tracked "
+                   f"(got {type(optimizer.kept).__name__})")

@@ -90,6 +90,11 @@ they are used; their canaries are in ``tests/compat/test_internals.py`` too:
   class, relying on Keras' ``_tf_apply`` and ``_common_apply`` deciding through it.
 - ``resist/trainer.py``: ``optimizer.ALL_REDUCE_HOOK`` (above), set and deleted on the
   model's optimizer for local SGD.
+- ``tf_keras.py`` (the tf_keras wrapper, a ``tf_keras.optimizers.Optimizer`` that does not
+  run that class's ``__init__``): it sets ``_variables``, ``_mesh``,
+  ``_run_with_dtensor``, ``_distribution_strategy`` and ``_built``, which the base
+  class's methods read (``tf_keras/src/optimizers/optimizer.py``), and wraps its list in
+  ``AutoTrackable._no_dependency``.
 
 Public serialization (``keras.saving.register_keras_serializable``,
 ``serialize_keras_object``, ``deserialize_keras_object``) is used throughout; the
