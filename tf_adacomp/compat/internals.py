@@ -70,8 +70,9 @@ they are used; their canaries are in ``tests/compat/test_internals.py`` too:
     ``_distribution_strategy``, ``_track_variable``, ``_variables`` and
     ``_trainable_variables`` of ``keras.optimizers.Optimizer``
     (``keras/src/optimizers/base_optimizer.py``, ``keras/src/backend/tensorflow/optimizer.py``).
-  - ``tf.__internal__.distribute.strategy_supports_no_merge_call`` and
-    ``tf.__internal__.distribute.interim.maybe_merge_call`` (as Keras' own optimizer).
+- ``replica_steps.py`` (for both optimizer wrappers):
+  ``tf.__internal__.distribute.strategy_supports_no_merge_call`` and
+  ``tf.__internal__.distribute.interim.maybe_merge_call`` (as Keras' own optimizer).
 - ``shared_moment.moment_slots(optimizer)``: Adam's / AdamW's private ``_momentums``
   and ``_velocities`` (``keras/src/optimizers/adam.py``).
 - ``cross_device_ops.py``: the public ``tf.distribute.CrossDeviceOps`` subclassed through
