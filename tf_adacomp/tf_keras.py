@@ -14,7 +14,8 @@ engine of the Keras 3 ``tf_adacomp.CompressedOptimizer`` and of ``CompressedAllR
 with each replica's residue (error feedback) for what it has not sent yet. The two
 exchanges of the Keras 3 wrapper (``exchange=``):
 
-- ``"updates"`` (the default for a ``tf_keras.optimizers.Optimizer``): each replica
+- ``"updates"`` (the default for a ``tf_keras.optimizers.Optimizer`` with
+  ``reduction="sum"``): each replica
   steps the inner optimizer on its own mean gradient with its own slots (momentum, Adam
   moments: one value per replica, stored in checkpoints as their mean), and every
   replica sets its weights to the weights before the step plus the mean of the
@@ -22,8 +23,9 @@ exchanges of the Keras 3 wrapper (``exchange=``):
   Compression's momentum correction; without compression it is the plain optimizer's
   step. Each replica's Adam moments are its own (the Keras 3 wrapper's
   ``second_moment="local"``).
-- ``"gradients"`` (the default for a legacy optimizer, whose slots this wrapper cannot
-  give one value per replica; Horovod's ``DistributedOptimizer``): the gradients are
+- ``"gradients"`` (the default with ``reduction="adasum"``, as in the Keras 3 wrapper,
+  and for a legacy optimizer, whose slots this wrapper cannot give one value per
+  replica; Horovod's ``DistributedOptimizer``): the gradients are
   compressed and the inner optimizer applies their decoded sum, with its own dense
   all-reduce switched off.
 
@@ -53,6 +55,7 @@ import tensorflow as tf
 
 from tf_adacomp import exchange as exchange_lib
 from tf_adacomp import hierarchy as hierarchy_lib
+from tf_adacomp import optimizer as optimizer_lib
 from tf_adacomp import replica_steps
 from tf_adacomp import stats
 from tf_adacomp.compressors import registry
@@ -81,9 +84,10 @@ class CompressedOptimizer(tf_keras.optimizers.Optimizer):
     reduction: "sum" (default) or "adasum": how the replicas' contributions combine
       (Horovod's ``op=hvd.Adasum`` is "adasum"; with ``exchange="updates"``, "sum"
       applies the mean of the replicas' updates).
-    exchange: None (default), "updates" or "gradients". None: "updates" for a
-      ``tf_keras.optimizers.Optimizer``, "gradients" for a legacy one (which cannot take
-      "updates").
+    exchange: None (default), "updates" or "gradients". None: as the Keras 3 wrapper
+      (``tf_adacomp.optimizer.DEFAULT_EXCHANGE``: "updates" with ``reduction="sum"``,
+      "gradients" with "adasum") for a ``tf_keras.optimizers.Optimizer``, "gradients"
+      for a legacy one (which cannot take "updates").
     local_clipnorm: None (default) or a float > 0: each replica's own mean gradient is
       clipped to this global norm before it enters its residue.
     hierarchical: None (default), True or False, as for ``tf_adacomp.CompressedOptimizer``:
@@ -115,8 +119,11 @@ class CompressedOptimizer(tf_keras.optimizers.Optimizer):
     compressor = registry.get_compressor(compressor)
     start_step = checks.non_negative_int(start_step, "start_step")
     reduction = exchange_lib.check_reduction(reduction)
-    if exchange is None:  # the update exchange where each replica can keep its own slots
-      exchange = ("updates" if isinstance(inner_optimizer, tf_keras.optimizers.Optimizer)
+    if exchange is None:
+      # The Keras 3 wrapper's default for the reduction (Adasum: of gradients, as
+      # Horovod's), where each replica can keep its own slots.
+      exchange = (optimizer_lib.DEFAULT_EXCHANGE[reduction]
+                  if isinstance(inner_optimizer, tf_keras.optimizers.Optimizer)
                   else "gradients")
     if exchange not in EXCHANGES:
       raise ValueError(f"`exchange` must be one of {EXCHANGES}. Received: exchange={exchange!r}")
