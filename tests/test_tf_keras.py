@@ -276,3 +276,20 @@ def test_from_config_without_the_inner_optimizer_is_refused_naming_the_key():
     adacomp_tf_keras.CompressedOptimizer.from_config({"compressor": "adacomp"})
   with pytest.raises(TypeError, match="config"):
     adacomp_tf_keras.CompressedOptimizer.from_config(["not", "a", "dict"])
+
+
+@pytest.mark.slow
+def test_a_tf_keras_model_trains_with_compressed_cross_device_ops_and_checkpoints_them(
+    tmp_path):
+  # The other way in on one host: the strategy's cross-device ops, a plain tf_keras
+  # optimizer (tf_keras' own all-reduce goes through them).
+  strategy = tf.distribute.MirroredStrategy(
+      ["/cpu:0", "/cpu:1"], cross_device_ops=tf_adacomp.CompressedAllReduce("adacomp"))
+  model, _ = _mlp(strategy, lambda: tf_keras.optimizers.SGD(0.1, momentum=0.9))
+  losses = [_fit(model, 8)[-1] for _ in range(2)]
+  assert losses[-1] < losses[0], losses
+  ops = tf_adacomp.CompressedAllReduce.of(strategy)
+  assert ops.compression_stats()["total"]["ratio"] > 20
+  path = tf.train.Checkpoint(model=model, residues=ops).save(str(tmp_path / "ckpt"))
+  saved = [k for k, _ in tf.train.list_variables(path) if k.startswith("residues/")]
+  assert saved, tf.train.list_variables(path)
