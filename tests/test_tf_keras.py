@@ -107,7 +107,8 @@ def test_adacomp_compresses_keeps_residues_and_replicas_identical(exchange):
     assert np.abs(momentum.numpy()).sum() > 0
 
 
-@pytest.mark.parametrize("exchange", ["updates", "gradients"])
+@pytest.mark.parametrize("exchange", [
+    "updates", pytest.param("gradients", marks=pytest.mark.slow)])  # fast tier: 3 minutes
 def test_a_non_finite_gradient_on_one_replica_changes_nothing(exchange):
   strategy = _strategy(2)
   with strategy.scope():
