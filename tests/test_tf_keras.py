@@ -1,5 +1,5 @@
-"""tf_adacomp.tf_keras.CompressedOptimizer: the tf_keras (Keras 2) wrapper of the gradient
-exchange, on one host (MirroredStrategy over the conftest's logical CPUs); on 2 worker
+"""tf_adacomp.tf_keras.CompressedOptimizer: the tf_keras (Keras 2) wrapper, both
+exchanges, on one host (MirroredStrategy over the conftest's logical CPUs); on 2 worker
 processes in tests/examples/test_horovod_migration.py."""
 
 import numpy as np
