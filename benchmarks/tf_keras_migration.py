@@ -129,15 +129,11 @@ def checkpoint_accuracy(checkpoint):
 
 def test_set():
   """Fashion-MNIST's 10,000 test images (as the example reads them) and labels."""
-  import gzip  # pylint: disable=import-outside-toplevel
-  folder = os.environ.get("FASHION_MNIST_DIR", "/usr/share/datasets/fashion-mnist")
-  arrays = []
-  for name in ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"):
-    with gzip.open(os.path.join(folder, name)) as f:
-      data = f.read()
-    shape = np.frombuffer(data, ">i4", data[3], 4)
-    arrays.append(np.frombuffer(data, np.uint8, offset=4 + 4 * data[3]).reshape(shape))
-  return arrays[0][..., None].astype("float32") / 255.0, arrays[1].astype("int64")
+  from tf_adacomp.examples import fashion_mnist  # pylint: disable=import-outside-toplevel
+  folder = os.environ.get("FASHION_MNIST_DIR", fashion_mnist.DEBIAN_DIR)
+  images, labels = (fashion_mnist.read_idx(os.path.join(folder, name))
+                    for name in fashion_mnist.FILES["test"])
+  return images[..., None].astype("float32") / 255.0, labels.astype("int64")
 
 
 def last_step_bytes(checkpoint):

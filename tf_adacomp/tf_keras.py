@@ -318,16 +318,6 @@ class CompressedOptimizer(tf_keras.optimizers.Optimizer):
         tf.zeros([len(self.plans)], tf.int64), [[i] for i in indices],
         [tf.cast(b, tf.int64) for b in nbytes]))
 
-  def minimize(self, loss, var_list, tape=None):
-    """Computes the gradients of ``loss`` and applies them (``apply_gradients``).
-
-    Args:
-      loss: a tensor (with ``tape``) or a callable returning the loss.
-      var_list: the variables, or a callable returning them.
-      tape: the ``tf.GradientTape`` that computed a tensor ``loss``.
-    """
-    self.apply_gradients(self.compute_gradients(loss, var_list, tape))
-
   # --- Forwarded to the inner optimizer -------------------------------------------
 
   @property
