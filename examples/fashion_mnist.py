@@ -60,21 +60,23 @@ def idx_directory(config):
 
 
 def load_arrays(config):
-  """``{split: (images [n, 28, 28] uint8, labels [n])}`` from IDX files or tfds."""
+  """``{split: (images [n, 28, 28] uint8, labels [n])}`` from IDX files or tfds.
+
+  Raises:
+    input_data.DataUnavailable: no IDX files, and tfds could not download fashion_mnist.
+  """
   directory = idx_directory(config)
   if directory:
     return {split: tuple(read_idx(os.path.join(directory, name)) for name in names)
             for split, names in FILES.items()}
   import numpy as np
   import tensorflow_datasets as tfds
-  try:
-    splits = tfds.load("fashion_mnist", split=["train", "test"], data_dir=config.data_dir,
-                       as_supervised=True)
-  except Exception as error:  # tfds raises many kinds when it cannot download
-    raise RuntimeError(
-        "No Fashion-MNIST data: install Debian's dataset-fashion-mnist "
-        f"(files in {DEBIAN_DIR}), pass --data_dir with the IDX files, or let tfds "
-        f"download fashion_mnist. Received: data_dir={config.data_dir!r}") from error
+
+  ways_out = (f"apt-get install dataset-fashion-mnist (IDX files in {DEBIAN_DIR})",
+              "--data_dir=DIR with the IDX files " + ", ".join(
+                  name for pair in FILES.values() for name in pair))
+  builder = input_data.tfds_builder("fashion_mnist", config, ways_out)
+  splits = builder.as_dataset(split=["train", "test"], as_supervised=True)
   arrays = {}
   for name, split in zip(("train", "test"), splits):
     # Batches of 10,000 rather than tfds' batch_size=-1, which aborts on generated data.

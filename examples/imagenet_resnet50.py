@@ -30,6 +30,9 @@ NUM_CLASSES = 1000
 MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 
+WAYS_OUT = ("--manual_dir=DIR (ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar "
+            "from image-net.org)",)
+
 flags.DEFINE_string("manual_dir", None, "Directory holding ILSVRC2012_img_train.tar and "
                     "ILSVRC2012_img_val.tar (tfds imagenet2012 manual download).")
 flags.DEFINE_integer("image_size", None, "Side of the square training images (224).")
@@ -66,11 +69,10 @@ def load_data(config):
   if config.synthetic:
     return input_data.synthetic_data([size, size, 3], NUM_CLASSES, 256, 64, config.seed)
   import tensorflow as tf
-  import tensorflow_datasets as tfds
 
-  builder = tfds.builder("imagenet2012", data_dir=config.data_dir)
-  builder.download_and_prepare(download_config=tfds.download.DownloadConfig(
-      manual_dir=config.options["manual_dir"]))
+  # tfds cannot download ImageNet: its archives come by hand, into --manual_dir.
+  builder = input_data.tfds_builder("imagenet2012", config, WAYS_OUT,
+                                    manual_dir=config.options["manual_dir"])
   train = builder.as_dataset(split="train", as_supervised=True, shuffle_files=True)
   test = builder.as_dataset(split="validation", as_supervised=True)
   n_train = input_data.split_size(builder.info, "train", train)

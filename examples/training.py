@@ -113,7 +113,8 @@ def train(example, config, callbacks=()) -> Dict[str, Any]:
 
 
 def run(example, argv):
-  """The examples' absl ``main``: train from flags; an error in a flag exits with it."""
+  """The examples' absl ``main``: train from flags; an error in a flag, or no data
+  (``input_data.DataUnavailable``), exits with its message."""
   if len(argv) > 1:
     raise SystemExit(f"Unexpected arguments: {argv[1:]}. Flags are --name=value.")
   try:
@@ -121,7 +122,11 @@ def run(example, argv):
   except ValueError as error:
     raise SystemExit(f"{example.NAME}: {error}") from None
   quiet_tensorflow_logs()
-  train(example, config)
+  try:
+    train(example, config)
+  except input_data.DataUnavailable as error:
+    # No data is the user's machine, not a bug: its message and ways out, no traceback.
+    raise SystemExit(f"{example.NAME}: {error}") from None
 
 
 def quiet_tensorflow_logs():

@@ -113,6 +113,16 @@ def pytest_unconfigure(config):
     shutil.rmtree(cache, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def _package_log_reaches_caplog(monkeypatch):
+  """The ``tf_adacomp`` logger's records also go to the root logger, where ``caplog``
+  listens (for users, ``tf_adacomp.log`` stops them at its own handler, so that absl
+  does not print them a second time: tests/test_log.py checks that in a process)."""
+  from tf_adacomp import log  # pylint: disable=g-import-not-at-top
+  log._configured()  # pylint: disable=protected-access  (its handler first, then this)
+  monkeypatch.setattr(log.LOGGER, "propagate", True)
+
+
 @pytest.fixture
 def unpatched_keras():
   """Keras as installed for the test, and as it was again afterwards (the multi-worker fix

@@ -29,7 +29,8 @@ def _step(conv_sent, dense_sent):
 
 
 def test_totals_are_sums_over_the_steps_and_logs_per_step():
-  stats = tf_adacomp.CompressionStats(source=_Source([_step(40, 10), _step(20, 5)]))
+  stats = tf_adacomp.CompressionStats(source=_Source([_step(40, 10), _step(20, 5)]),
+                                      progress_bar="all")
   stats.on_train_begin()
   logs = [{}, {}]
   for batch, log in enumerate(logs):
@@ -68,6 +69,73 @@ def test_totals_restart_with_each_fit_and_skip_steps_without_figures():
   assert stats.totals()["total"]["steps"] == 1
   assert stats.totals()["total"]["sent_bytes"] == 25.0
   assert math.isclose(stats.totals()["dense"]["ratio"], 200.0)
+
+
+def test_the_progress_bar_gets_one_figure_the_fit_so_far_and_no_nan():
+  # Local steps: the first steps send nothing; then one round sends.
+  stats = tf_adacomp.CompressionStats(source=_Source(
+      [_step(0, 0), _step(0, 0), _step(20, 5), _step(0, 0), _step(40, 10)]))
+  stats.on_train_begin()
+  bars = []
+  for batch in range(5):
+    logs = {"loss": 1.0}
+    stats.on_train_batch_end(batch, logs)
+    bars.append(logs)
+  assert bars[0] == bars[1] == {"loss": 1.0}  # nothing sent yet: no figure, not NaN
+  assert bars[2] == {"loss": 1.0, "compression_ratio": pytest.approx(3 * 1400 / 25)}
+  assert bars[3]["compression_ratio"] == pytest.approx(4 * 1400 / 25)  # the fit so far
+  assert bars[4]["compression_ratio"] == pytest.approx(5 * 1400 / 75)
+  epoch = {}
+  stats.on_epoch_end(0, epoch)  # the History keeps every figure
+  assert {"compression_ratio", "compression_ratio_conv", "compression_ratio_dense",
+          "bytes_sent"} <= set(epoch)
+
+
+class _AdamSource(_Source):
+  """A source with Adam's shared moment: its moment averages and its step counter."""
+
+  def __init__(self, steps, moments, iterations):
+    super().__init__(steps)
+    self.moments = list(moments)
+    self.counts = list(iterations)
+    self.iterations = None
+
+  def moment_bytes(self):
+    return self.moments.pop(0)
+
+  def _advance(self):
+    self.iterations = tf.constant(self.counts.pop(0))
+
+
+def test_adams_moment_averages_count_in_bytes_but_not_in_the_ratio():
+  # Step 1 averages the moments (dense bfloat16: 2 moments x 2 bytes x 100 and 250
+  # elements); step 2 does not; step 3 was skipped (non-finite gradients), so the
+  # optimizer's counter did not move and its last average (step 1's) is not this step's.
+  source = _AdamSource([_step(440, 1010), _step(40, 10), _step(40, 10)],
+                       moments=[[400, 1000], [0, 0], [400, 1000]], iterations=[0, 1, 2, 2])
+  source._advance()
+  stats = tf_adacomp.CompressionStats(source=source)
+  stats.on_train_begin()
+  bars = []
+  for batch in range(3):
+    source._advance()
+    logs = {}
+    stats.on_train_batch_end(batch, logs)
+    bars.append(logs)
+  assert bars[0]["compression_ratio"] == pytest.approx(1400 / 50)  # the moments apart
+  assert bars[1]["compression_ratio"] == pytest.approx(2800 / 100)
+  assert bars[2]["compression_ratio"] == pytest.approx(4200 / 150)
+  epoch = {}
+  stats.on_epoch_end(0, epoch)
+  assert epoch["moment_bytes"] == pytest.approx(1400 / 3)
+  assert epoch["bytes_sent"] == pytest.approx((1450 + 50 + 50) / 3)  # every byte
+  assert epoch["compression_ratio"] == pytest.approx(4200 / 150)
+  assert stats.totals()["total"]["sent_bytes"] == 1550  # every byte
+
+
+def test_a_progress_bar_setting_it_does_not_know_is_named():
+  with pytest.raises(ValueError, match="Received: progress_bar='every'"):
+    tf_adacomp.CompressionStats(progress_bar="every")
 
 
 def test_variable_totals_are_per_variable_sums_over_the_steps():

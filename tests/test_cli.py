@@ -7,6 +7,7 @@ script, as a user runs it, serves the tests of ``train`` and of its quiet output
 import json
 import os
 import pathlib
+import shlex
 import subprocess
 import sys
 
@@ -71,7 +72,14 @@ def test_demo_prints_both_summaries_side_by_side(tmp_path):
   result = _cli("demo", "--replicas=1", f"--model_dir={tmp_path}", *SMOKE)  # one compile
   assert result.returncode == 0, result.stderr[-3000:]
   table = result.stdout[result.stdout.rindex("== fashion_mnist"):]
-  assert table.splitlines()[1].split() == ["compressor", "adacomp", "none"]
+  assert table.splitlines()[1].split() == ["compressor", "adacomp", "dense"]
+  # Each run is announced as a command a user can paste: the console script, then train.
+  echoed = [line[2:] for line in result.stdout.splitlines() if line.startswith("$ ")]
+  assert len(echoed) == 2, result.stdout[:2000]
+  for line in echoed:
+    script, command, name, *_ = shlex.split(line)
+    assert (os.path.basename(script), command, name) == ("tf-adacomp", "train", "fashion_mnist")
+    assert os.access(script, os.X_OK), line
   for name in ("adacomp", "none"):
     assert json.loads((tmp_path / name / "summary.json").read_text())["compressor"] == name
   figure = tmp_path / "demo.png"
@@ -125,3 +133,29 @@ def test_verbose_is_an_option_before_the_command_or_a_log_level_the_user_set(mon
   assert not quiet.wants_verbose([])
   monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "0")
   assert quiet.wants_verbose(["train", "fashion_mnist", "--verbose=1"])
+
+
+def test_the_demo_figure_says_dense_and_draws_the_ratio_on_a_linear_scale(tmp_path,
+                                                                         monkeypatch):
+  """A log scale drew 234x as a bar 2.5x shorter than dense's; "none" meant dense."""
+  from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
+
+  from tf_adacomp.examples import report  # pylint: disable=g-import-not-at-top
+
+  def summary(compressor, sent):
+    return {"example": "fashion_mnist", "compressor": compressor, "replicas": 4, "steps": 9,
+            "test_accuracy": 0.88, "bytes_sent_per_step": sent,
+            "dense_bytes_per_step": 1000.0, "compression_ratio": 1000.0 / sent}
+
+  drawn = []
+  monkeypatch.setattr(pyplot, "close", drawn.append)
+  path = report.plot_summaries([summary("adacomp", 4.0), summary("none", 1000.0)],
+                               str(tmp_path / "demo.png"))
+  assert pathlib.Path(path).read_bytes().startswith(b"\x89PNG")
+  ratio = drawn[0].axes[1]
+  assert [t.get_text() for t in ratio.get_xticklabels()] == ["adacomp", "dense"]
+  assert ratio.get_yscale() == "linear"
+  heights = [bar.get_height() for bar in ratio.patches]
+  assert heights == [250.0, 1.0]  # bar heights in proportion to the ratios
+  labels = [t.get_text() for t in ratio.texts]
+  assert labels[0].startswith("250.0x") and labels[1].startswith("1.0x")

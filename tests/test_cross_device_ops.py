@@ -196,6 +196,14 @@ def test_bad_arguments(kwargs, match):
     tf_adacomp.CompressedAllReduce(**kwargs)
 
 
+def test_a_misspelt_keyword_is_refused_naming_the_closest_one():
+  with pytest.raises(TypeError) as error:
+    tf_adacomp.CompressedAllReduce("adacomp", min_sise=100)
+  assert str(error.value) == (
+      "CompressedAllReduce() got an unexpected keyword argument 'min_sise' "
+      "(Received: min_sise=100). Did you mean 'min_size'?")
+
+
 # --- Contracts that the exchange engine fixed (issue 17; issue 19 item 1) ------------------
 
 
@@ -299,7 +307,7 @@ def test_warm_up_steps_count_the_dense_bytes_they_send():
   logged = []
   record = keras.callbacks.LambdaCallback(
       on_train_batch_end=lambda batch, logs: logged.append(dict(logs)))
-  stats = tf_adacomp.CompressionStats()
+  stats = tf_adacomp.CompressionStats(progress_bar="all")
   model.fit(x[:320], y[:320], batch_size=64, epochs=1, verbose=0, shuffle=False,
             callbacks=[stats, record])
   dense = sum(4 * v.shape.num_elements() for v in model.trainable_variables)

@@ -9,11 +9,13 @@ import re
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import tensorflow as tf
 
 from multi_worker import PROJECT_ROOT, describe, run_workers
+import tf_adacomp
 from tf_adacomp import distribute
 from tf_adacomp.compat import internals
 
@@ -323,6 +325,46 @@ def test_tf_config():
 def test_tf_config_bad_arguments(addresses, index, error, message):
   with pytest.raises(error, match=message):
     distribute.tf_config(addresses, index)
+
+
+_TWO = ["127.0.0.1:20000", "127.0.0.1:20001"]  # nothing listens: no strategy is made
+
+
+@pytest.mark.parametrize("config, warned", [
+    (None, False),
+    ({"cluster": {"worker": _TWO[:1]}, "task": {"type": "worker", "index": 0}}, False),
+    ({"cluster": {"worker": _TWO}, "task": {"type": "worker", "index": 1}}, True),
+    # A chief and a worker are two workers (TensorFlow's worker_count).
+    ({"cluster": {"chief": _TWO[:1], "worker": _TWO[1:]},
+      "task": {"type": "chief", "index": 0}}, True),
+    # An evaluator runs alone by design, beside the workers.
+    ({"cluster": {"worker": _TWO, "evaluator": ["127.0.0.1:20002"]},
+      "task": {"type": "evaluator", "index": 0}}, False),
+    # A TF_CONFIG that multi_worker_strategy refuses is left to its error.
+    ({"cluster": {"worker": _TWO}}, False),
+    ("{not json", False),
+])
+def test_a_worker_of_several_outside_a_multi_worker_strategy_is_warned(
+    monkeypatch, config, warned):
+  if config is None:
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+  else:
+    monkeypatch.setenv("TF_CONFIG", config if isinstance(config, str) else json.dumps(config))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    result = distribute.warn_if_training_alone(tf.distribute.get_strategy(), "Wrapper")
+  assert result is warned
+  assert [w.category for w in caught] == [distribute.UnsynchronizedWorkersWarning] * warned
+  if warned:
+    assert "TF_CONFIG names 2 workers" in str(caught[0].message)
+    assert "Wrapper is training under no tf.distribute strategy" in str(caught[0].message)
+  # A job can make it an error (tf_adacomp exports the category).
+  assert tf_adacomp.UnsynchronizedWorkersWarning is distribute.UnsynchronizedWorkersWarning
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", tf_adacomp.UnsynchronizedWorkersWarning)
+    if warned:
+      with pytest.raises(tf_adacomp.UnsynchronizedWorkersWarning):
+        distribute.warn_if_training_alone(tf.distribute.get_strategy(), "Wrapper")
 
 
 # ---------------------------------------------------------------------------------------

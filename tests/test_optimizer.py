@@ -9,6 +9,7 @@ The accuracy claims on digits (4 replicas) are in the slow tier (``pytest --full
 """
 
 import inspect
+import warnings
 
 import keras
 import numpy as np
@@ -358,3 +359,80 @@ def test_from_config_takes_an_inner_optimizer_already_built():
   restored = tf_adacomp.CompressedOptimizer.from_config(
       {**_optimizer_config(), "inner_optimizer": adam})
   assert restored.inner_optimizer is adam
+
+
+# --- Workers that would train alone ----------------------------------------------------
+
+def _unsynchronized_warnings(monkeypatch, workers, strategy=None):
+  """The messages of the UnsynchronizedWorkersWarnings of building a CompressedOptimizer
+  and of then taking two steps with it under ``strategy`` (None: outside any), where
+  TF_CONFIG names ``workers`` workers (None: no TF_CONFIG) and this process is the last.
+
+  Returns:
+    ``(built, stepped)``: the messages of the build, then of the two steps.
+  """
+  if workers is None:
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+  else:  # nothing listens there: no strategy here reads TF_CONFIG
+    addresses = [f"127.0.0.1:{20000 + i}" for i in range(workers)]
+    monkeypatch.setenv("TF_CONFIG", tf_adacomp.distribute.tf_config(addresses, workers - 1))
+  strategy = strategy or tf.distribute.get_strategy()
+
+  def messages(caught):
+    return [str(w.message) for w in caught
+            if issubclass(w.category, tf_adacomp.UnsynchronizedWorkersWarning)]
+
+  with warnings.catch_warnings(record=True) as caught:
+    # Each one counted, not only the first per place.
+    warnings.simplefilter("always", tf_adacomp.UnsynchronizedWorkersWarning)
+    with strategy.scope():
+      variable = keras.Variable(np.zeros(4, np.float32))
+      optimizer = tf_adacomp.CompressedOptimizer(keras.optimizers.SGD(0.1), "none")
+      # As model.fit, and keras.saving.load_model, do: a build alone trains nothing.
+      optimizer.build([variable])
+    built = messages(caught)
+    step = tf.function(lambda: strategy.run(
+        lambda: optimizer.apply([tf.ones(4)], [variable])), autograph=False)
+    for _ in range(2):
+      step()
+  assert int(optimizer.iterations.numpy()) == 2
+  return built, messages(caught)[len(built):]
+
+
+@pytest.mark.parametrize("where", ["outside any strategy", "MirroredStrategy"])
+def test_a_worker_of_several_training_alone_is_warned_once_with_the_fix(monkeypatch, where):
+  # A converted Horovod script whose model was built outside
+  # MultiWorkerMirroredStrategy.scope() ran on each worker alone and exited 0 (issue 42).
+  strategy = _strategy() if where == "MirroredStrategy" else None
+  built, stepped = _unsynchronized_warnings(monkeypatch, 2, strategy)
+  assert built == []
+  assert len(stepped) == 1, stepped
+  message = stepped[0]
+  assert message.startswith("TF_CONFIG names 2 workers (this process is its worker 1), "
+                            "but CompressedOptimizer is training under "), message
+  assert ("a MirroredStrategy of 2 replicas on this worker alone" if strategy
+          else "no tf.distribute strategy") in message
+  for fix in ("tf.distribute.MultiWorkerMirroredStrategy", "strategy.scope()",
+              "model.compile", "global batch size", "unset TF_CONFIG"):
+    assert fix in message, fix
+
+
+@pytest.mark.parametrize("workers", [None, 1])
+def test_a_single_worker_is_not_warned(monkeypatch, workers):
+  assert _unsynchronized_warnings(monkeypatch, workers) == ([], [])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"local_step": 8}, "CompressedOptimizer() got an unexpected keyword argument "
+     "'local_step' (Received: local_step=8). Did you mean 'local_steps'?"),
+    # Keras' own base arguments are valid names too.
+    ({"clip_norm": 1.0}, "CompressedOptimizer() got an unexpected keyword argument "
+     "'clip_norm' (Received: clip_norm=1.0). Did you mean 'clipnorm'?"),
+    ({"zzz": 1, "Exchange": "updates"}, "CompressedOptimizer() got unexpected keyword "
+     "arguments 'zzz', 'Exchange' (Received: zzz=1, Exchange='updates'). Did you mean "
+     "'exchange' for 'Exchange'? CompressedOptimizer() takes: adasum_mode, clipnorm, "),
+])
+def test_a_misspelt_keyword_is_refused_naming_the_closest_one(kwargs, message):
+  with pytest.raises(TypeError) as error:
+    tf_adacomp.CompressedOptimizer(_sgd(), **kwargs)
+  assert str(error.value).startswith(message), str(error.value)

@@ -202,7 +202,7 @@ def test_the_first_compressed_step_logs_its_xla_compilation(in_function, caplog)
   def step():
     optimizer.apply([tf.ones_like(variable)], [variable])
 
-  with caplog.at_level(logging.WARNING, logger="tf_adacomp"):
+  with caplog.at_level(logging.INFO, logger="tf_adacomp"):
     if in_function:
       step = tf.function(step)
     step()

@@ -57,6 +57,14 @@ def test_no_compression_trains_like_the_plain_optimizer(runs):
 
 
 @pytest.mark.slow
+def test_no_worker_is_warned_that_it_trains_alone(runs):
+  # The optimizer is built under the strategy's scope, whose 2 workers TF_CONFIG names:
+  # tf_adacomp.UnsynchronizedWorkersWarning (issue 42) must stay silent on every worker.
+  for run, (_, logs) in runs.items():
+    assert [log["unsynchronized_warnings"] for log in logs] == [[], []], run
+
+
+@pytest.mark.slow
 def test_adacomp_over_grpc_keeps_workers_identical_and_compresses(runs):
   arrays, logs = runs["adacomp"]
   for key in _final_weights(arrays):

@@ -275,9 +275,11 @@ def test_bytes_count_the_averaged_moments_at_sync_steps(steps, mode):
   # Step 1 averages the moments (bfloat16: v, and w for "global"), step 3 does not.
   _, model, _ = fit(_shared(mode=mode), 2, steps)
   averaged = 2 if mode == "global" else 1
-  for plan, nbytes in model.optimizer.variable_bytes():
+  moments = model.optimizer.moment_bytes()  # the part CompressionStats keeps apart
+  for (plan, nbytes), moment in zip(model.optimizer.variable_bytes(), moments):
     size = plan.shape.num_elements()
     assert nbytes == (4 + 2 * averaged) * size if steps == 1 else 4 * size, (plan, nbytes)
+    assert moment == (2 * averaged * size if steps == 1 else 0), (plan, moment)
 
 
 def test_the_checkpoint_holds_the_shared_moment(tmp_path, uncompressed):

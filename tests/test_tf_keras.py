@@ -2,6 +2,8 @@
 exchanges, on one host (MirroredStrategy over the conftest's logical CPUs); on 2 worker
 processes in tests/examples/test_horovod_migration.py."""
 
+import warnings
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -294,3 +296,57 @@ def test_a_tf_keras_model_trains_with_compressed_cross_device_ops_and_checkpoint
   path = tf.train.Checkpoint(model=model, residues=ops).save(str(tmp_path / "ckpt"))
   saved = [k for k, _ in tf.train.list_variables(path) if k.startswith("residues/")]
   assert saved, tf.train.list_variables(path)
+
+
+# --- Workers that would train alone ----------------------------------------------------
+
+@pytest.mark.parametrize("workers, where", [
+    (2, "outside any strategy"), (2, "MirroredStrategy"), (None, "outside any strategy"),
+    (1, "outside any strategy")])
+def test_a_worker_of_several_training_alone_is_warned_once_a_single_one_not(
+    monkeypatch, workers, where):
+  # With TF_CONFIG naming several workers, an optimizer outside a multi-worker strategy
+  # trains each worker alone (issue 42); one worker, or no TF_CONFIG, is no mistake.
+  if workers is None:
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+  else:  # nothing listens there: no strategy here reads TF_CONFIG
+    monkeypatch.setenv("TF_CONFIG", tf_adacomp.distribute.tf_config(
+        [f"127.0.0.1:{20000 + i}" for i in range(workers)], 0))
+  strategy = _strategy(2) if where == "MirroredStrategy" else tf.distribute.get_strategy()
+  with warnings.catch_warnings(record=True) as caught:
+    # Each one counted, not only the first per place.
+    warnings.simplefilter("always", tf_adacomp.UnsynchronizedWorkersWarning)
+    with strategy.scope():
+      variable = tf.Variable(tf.zeros([4]))
+      optimizer = adacomp_tf_keras.CompressedOptimizer(tf_keras.optimizers.SGD(0.1), "none")
+      optimizer.build([variable])  # a build alone trains nothing: no warning yet
+    built = [w for w in caught
+             if issubclass(w.category, tf_adacomp.UnsynchronizedWorkersWarning)]
+    assert not built, [str(w.message) for w in built]
+    step = tf.function(lambda: strategy.run(
+        lambda: optimizer.apply_gradients([(tf.ones([4]), variable)])), autograph=False)
+    for _ in range(2):
+      step()
+  assert int(optimizer.iterations.numpy()) == 2
+  found = [str(w.message) for w in caught
+           if issubclass(w.category, tf_adacomp.UnsynchronizedWorkersWarning)]
+  if workers != 2:
+    assert found == []
+    return
+  assert len(found) == 1, found
+  assert found[0].startswith(
+      "TF_CONFIG names 2 workers (this process is its worker 0), but "
+      "tf_adacomp.tf_keras.CompressedOptimizer is training under "), found[0]
+  assert ("a MirroredStrategy of 2 replicas on this worker alone"
+          if where == "MirroredStrategy" else "no tf.distribute strategy") in found[0]
+  for fix in ("tf.distribute.MultiWorkerMirroredStrategy", "strategy.scope()",
+              "model.compile", "global batch size", "unset TF_CONFIG"):
+    assert fix in found[0], fix
+
+
+def test_a_misspelt_keyword_is_refused_naming_the_closest_one():
+  with pytest.raises(TypeError) as error:
+    adacomp_tf_keras.CompressedOptimizer(tf_keras.optimizers.SGD(0.1), start_stpe=3)
+  assert str(error.value) == (
+      "CompressedOptimizer() got an unexpected keyword argument 'start_stpe' "
+      "(Received: start_stpe=3). Did you mean 'start_step'?")

@@ -11,7 +11,9 @@ Public API (a flat list, as in Keras and optax):
   adapt ``Exchange``, the one exchange engine, whose ``replica_exchange`` (also as a
   function) is the entry point for custom training loops (docs/distributed.md);
 - helpers: ``tf_adacomp.distribute`` (logical devices, strategies, TF_CONFIG, the Keras
-  multi-worker fix), ``CompressionStats`` (a Keras callback), ``BackupAndRestore`` (Keras' callback
+  multi-worker fix; ``UnsynchronizedWorkersWarning``, when TF_CONFIG names several
+  workers but a compressed optimizer is built outside a multi-worker strategy),
+  ``CompressionStats`` (a Keras callback), ``BackupAndRestore`` (Keras' callback
   with atomic, chief-only backups for multi-worker training), ``schedules``
   (``WarmupDecay`` and ``LEGW``, learning-rate schedules for large batches);
 - ResIST: ``tf_adacomp.resist`` (a ResNet of sub-ResNets trained independently per replica);
@@ -39,6 +41,7 @@ from tf_adacomp.callbacks import CompressionStats
 from tf_adacomp.exchange import Exchange
 from tf_adacomp.exchange import replica_exchange
 from tf_adacomp.cross_device_ops import CompressedAllReduce
+from tf_adacomp.distribute import UnsynchronizedWorkersWarning
 from tf_adacomp.optimizer import CompressedOptimizer
 from tf_adacomp.compressors import AdaComp
 from tf_adacomp.compressors import BF16
@@ -69,6 +72,7 @@ __all__ = [
     "NoCompression",
     "TensorPlan",
     "TopK",
+    "UnsynchronizedWorkersWarning",
     "available_compressors",
     "distribute",
     "get_compressor",

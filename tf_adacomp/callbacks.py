@@ -1,5 +1,7 @@
 """A Keras callback that puts compression statistics into the logs and TensorBoard."""
 
+import math
+
 import keras
 import tensorflow as tf
 
@@ -10,36 +12,53 @@ from tf_adacomp.optimizer import CompressedOptimizer
 
 
 class CompressionStats(keras.callbacks.Callback):
-  """Logs the compression ratio (dense float32 bytes / bytes sent) of every step.
+  """Puts the compression of a compressed exchange into Keras' logs and TensorBoard.
 
-  Adds to the batch logs (shown by Keras' progress bar) ``compression_ratio``, one
-  ``compression_ratio_<kind>`` per variable kind (conv, dense, recurrent, vector) and
-  ``bytes_sent`` (one replica, one step); the epoch logs (and so ``History`` and
-  Keras' own TensorBoard callback) get the epoch's: its mean ``bytes_sent`` per step
-  and the ratios of its summed bytes (with ``local_steps`` only a round's last step
-  sends anything, and a step that sent nothing has no ratio of its own). With ``log_dir``,
-  the per-step values are also written as TensorBoard scalars under ``compression/``.
-  ``totals()`` gives the bytes and ratios of the whole training run, per kind;
-  ``variable_totals()`` the same per variable (per layer weight).
+  The compression ratio is dense float32 bytes / bytes sent (one replica, the gradient
+  or update exchange). By default the progress bar gets one figure, ``compression_ratio``:
+  that of the fit so far (its summed bytes), so that steps that send nothing (with
+  ``local_steps``, all but a round's last) or little do not make it jump. The epoch logs
+  (and so ``History`` and Keras' own TensorBoard callback) get the epoch's
+  ``compression_ratio``, one ``compression_ratio_<kind>`` per variable kind (conv,
+  dense, recurrent, vector), ``bytes_sent`` (the epoch's mean per step, every byte
+  counted) and, with Adam's shared second moment, ``moment_bytes`` (its mean per step of
+  the dense moment averages at steps 1, 2, 4, 8, ..., counted in ``bytes_sent`` but kept
+  out of the ratios, which measure the compressor). With ``log_dir``, the per-step
+  figures go to TensorBoard scalars under ``compression/`` (a step that sent nothing has
+  no ratio and writes none). ``totals()`` gives the bytes and ratios of the whole
+  training run, every byte counted, per kind; ``variable_totals()`` the same per
+  variable (per layer weight).
 
   Args:
     source: the ``CompressedOptimizer`` or ``CompressedAllReduce`` to read; by default
       the model's optimizer (inside a ``LossScaleOptimizer`` too), else its strategy's
       cross-device ops.
     log_dir: optional TensorBoard directory for per-step scalars.
+    progress_bar: ``"ratio"`` (the default: the one figure above) or ``"all"`` (every
+      per-step figure of the last step on the bar, as the epoch logs have them).
 
   Raises:
-    ValueError: (at the start of training) no compressed exchange is found.
+    ValueError: ``progress_bar`` is neither; (at the start of training) no compressed
+      exchange is found.
   """
 
-  def __init__(self, source=None, log_dir=None):
+  PROGRESS_BAR = ("ratio", "all")
+
+  def __init__(self, source=None, log_dir=None, progress_bar="ratio"):
     super().__init__()
+    if progress_bar not in self.PROGRESS_BAR:
+      raise ValueError(f"`progress_bar` must be one of {self.PROGRESS_BAR}. "
+                       f"Received: progress_bar={progress_bar!r}")
     self.source = source
     self.log_dir = log_dir
+    self.progress_bar = progress_bar
     self._writer = None
     self._epoch = []
+    self._fit = {"dense_bytes": 0.0, "sent_bytes": 0.0}  # the fit so far, moments apart
     self._totals = {}
     self._variables = {}
+    self._iterations = None  # the source's step count at the last batch end
+    self._has_moments = False  # whether the source averages Adam's moments
 
   def _find_source(self):
     optimizer = self.model.optimizer
@@ -58,17 +77,38 @@ class CompressionStats(keras.callbacks.Callback):
       self.source = self._find_source()
     self._totals = {}
     self._variables = {}
+    self._fit = {"dense_bytes": 0.0, "sent_bytes": 0.0}
+    self._iterations = self._source_iterations()
     if self.log_dir and self._writer is None:
       self._writer = tf.summary.create_file_writer(self.log_dir)
 
   def on_epoch_begin(self, epoch, logs=None):
     self._epoch = []
 
+  def _source_iterations(self):
+    """The source's optimizer steps, if it counts them (None: it does not)."""
+    iterations = getattr(self.source, "iterations", None)
+    return None if iterations is None else int(iterations.numpy())
+
+  def _moment_bytes(self):
+    """Per variable, the bytes of the last step's moment averages; None: the source
+    averages no moments (no shared second moment)."""
+    moment_bytes = getattr(self.source, "moment_bytes", None)
+    moments = moment_bytes() if moment_bytes is not None else None
+    iterations = self._source_iterations()
+    advanced = iterations is None or self._iterations is None or iterations > self._iterations
+    self._iterations = iterations
+    # A step the optimizer skipped (non-finite gradients) averaged no moments.
+    return moments if moments is None or advanced else [0] * len(moments)
+
   def on_train_batch_end(self, batch, logs=None):
     variable_bytes = self.source.variable_bytes()
+    moments = self._moment_bytes()
     if not variable_bytes:
       return
-    for plan, nbytes in variable_bytes:
+    self._has_moments = moments is not None
+    moments = moments or [0] * len(variable_bytes)
+    for (plan, nbytes), moment in zip(variable_bytes, moments):
       total = self._variables.setdefault(plan.name, {
           "kind": plan.kind, "shape": plan.shape.as_list(), "dense_bytes": 0.0,
           "sent_bytes": 0.0, "steps": 0})
@@ -81,25 +121,40 @@ class CompressionStats(keras.callbacks.Callback):
       total["dense_bytes"] += entry["dense_bytes"]
       total["sent_bytes"] += entry["sent_bytes"]
       total["steps"] += 1
-    values = self._values(summary)
-    self._epoch.append(summary)
+    # The compressor's own figures: every byte but the moment averages.
+    compressed = stats.summarize((plan, nbytes - moment) for (plan, nbytes), moment
+                                 in zip(variable_bytes, moments))
+    moment_bytes = float(sum(moments))
+    self._epoch.append((compressed, summary["total"]["sent_bytes"], moment_bytes))
+    self._fit["dense_bytes"] += compressed["total"]["dense_bytes"]
+    self._fit["sent_bytes"] += compressed["total"]["sent_bytes"]
+    values = self._values(compressed, summary["total"]["sent_bytes"],
+                          moment_bytes if self._has_moments else None)
     if logs is not None:
-      logs.update(values)
+      if self.progress_bar == "all":
+        logs.update(values)
+      elif self._fit["sent_bytes"]:  # nothing sent yet: no figure rather than NaN
+        logs["compression_ratio"] = stats.ratio(self._fit["dense_bytes"],
+                                                self._fit["sent_bytes"])
     if self._writer is not None:
       step = int(self.model.optimizer.iterations.numpy())
       with self._writer.as_default(step=step):
         for name, value in values.items():
-          tf.summary.scalar(f"compression/{name}", value)
+          if not math.isnan(value):
+            tf.summary.scalar(f"compression/{name}", value)
 
   def on_epoch_end(self, epoch, logs=None):
     if logs is not None and self._epoch:
-      sums = {kind: {"dense_bytes": sum(s[kind]["dense_bytes"] for s in self._epoch),
-                     "sent_bytes": sum(s[kind]["sent_bytes"] for s in self._epoch)}
-              for kind in self._epoch[0]}
+      summaries = [compressed for compressed, _, _ in self._epoch]
+      sums = {kind: {"dense_bytes": sum(s[kind]["dense_bytes"] for s in summaries),
+                     "sent_bytes": sum(s[kind]["sent_bytes"] for s in summaries)}
+              for kind in summaries[0]}
       for entry in sums.values():
         entry["ratio"] = stats.ratio(entry["dense_bytes"], entry["sent_bytes"])
-      logs.update(self._values(sums))
-      logs["bytes_sent"] = sums["total"]["sent_bytes"] / len(self._epoch)
+      steps = len(self._epoch)
+      logs.update(self._values(
+          sums, sum(sent for _, sent, _ in self._epoch) / steps,
+          sum(m for _, _, m in self._epoch) / steps if self._has_moments else None))
 
   def on_train_end(self, logs=None):
     if self._writer is not None:
@@ -127,12 +182,14 @@ class CompressionStats(keras.callbacks.Callback):
   def step_values(self):
     """``{log name: value}`` for the last step."""
     summary = stats.summarize(self.source.variable_bytes())
-    return self._values(summary) if summary else {}
+    return self._values(summary, summary["total"]["sent_bytes"]) if summary else {}
 
   @staticmethod
-  def _values(summary):
-    values = {"compression_ratio": summary["total"]["ratio"],
-              "bytes_sent": float(summary["total"]["sent_bytes"])}
+  def _values(summary, bytes_sent, moment_bytes=None):
+    """The log entries: ratios of ``summary`` (moments apart), every byte in bytes_sent."""
+    values = {"compression_ratio": summary["total"]["ratio"], "bytes_sent": float(bytes_sent)}
+    if moment_bytes is not None:
+      values["moment_bytes"] = float(moment_bytes)
     for kind, entry in summary.items():
       if kind != "total":
         values[f"compression_ratio_{kind}"] = entry["ratio"]

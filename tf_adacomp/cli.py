@@ -18,6 +18,7 @@ error stay.
 import argparse
 import json
 import os
+import shlex
 import sys
 import tempfile
 
@@ -38,6 +39,25 @@ def _train(name, flags, quiet) -> int:
   return code
 
 
+def _progress_flags(flags):
+  """One line per epoch where the output is not a terminal (a log file, CI): Keras'
+  progress bar redraws itself on every step, hundreds of kilobytes in a file."""
+  if sys.stdout.isatty() or any(f.split("=")[0] == "--verbose" for f in flags):
+    return []
+  return ["--verbose=2"]
+
+
+def _as_typed(args) -> str:
+  """The ``tf-adacomp`` command line that runs ``args``, as a user can paste it: the
+  console script beside this Python (``.venv/bin/tf-adacomp``), relative to the
+  working directory when it lies below it."""
+  script = os.path.join(os.path.dirname(sys.executable), "tf-adacomp")
+  if not os.path.exists(script):  # not installed as a script: the module runs it
+    return shlex.join([sys.executable, "-m", "tf_adacomp.cli", *args])
+  relative = os.path.relpath(script)
+  return shlex.join([script if relative.startswith("..") else relative, *args])
+
+
 def _demo(args, extra_flags, quiet) -> int:
   from tf_adacomp.examples import report
 
@@ -47,8 +67,8 @@ def _demo(args, extra_flags, quiet) -> int:
     model_dir = os.path.join(root, compressor)
     command = [sys.executable, "-m", "tf_adacomp.examples.fashion_mnist",
                f"--compressor={compressor}", f"--replicas={args.replicas}",
-               f"--model_dir={model_dir}", *extra_flags]
-    print(f"\n$ {' '.join(command[1:])}", flush=True)
+               f"--model_dir={model_dir}", *_progress_flags(extra_flags), *extra_flags]
+    print(f"\n$ {_as_typed(['train', 'fashion_mnist', *command[3:]])}", flush=True)
     if quiet_start_up.run(command, quiet):
       print(f"tf-adacomp demo: the {compressor} run failed (its output is above).",
             file=sys.stderr)

@@ -3,7 +3,7 @@
 The first compressed step compiles one XLA program per kernel and static setting
 (``ops.compiled.kernel``): tens of seconds on CPU for a small model, during which nothing
 else tells the user why the first step stalls. ``FirstCompile`` counts the
-programs a step's tracing created and logs, on the "tf_adacomp" logger:
+programs a step's tracing created and logs (``tf_adacomp.log``, at INFO):
 
 - eager (the kernels compiled while the step ran): one line with their number and the
   time since ``start()``;
@@ -17,15 +17,14 @@ Only the count of the kernel cache is read (``functools.lru_cache.cache_info``);
 runs in the step itself.
 """
 
-import logging
 import threading
 import time
 
 import tensorflow as tf
 
+from tf_adacomp import log
 from tf_adacomp.ops import compiled
 
-LOGGER = logging.getLogger("tf_adacomp")
 POLL_S = 0.5
 GIVE_UP_S = 3600.0
 
@@ -67,10 +66,10 @@ class FirstCompile:
     if count <= 0:
       return
     if tf.executing_eagerly():
-      LOGGER.warning("tf_adacomp: %s compiled %d XLA programs for its first compressed "
+      log.info("%s compiled %d XLA programs for its first compressed "
                      "step in %.1f s.", self.what, count, time.monotonic() - started)
       return
-    LOGGER.warning("tf_adacomp: %s's first compressed step compiles %d XLA programs "
+    log.info("%s's first compressed step compiles %d XLA programs "
                    "(once per bucket or shape; seconds to tens of seconds on CPU)...", self.what, count)
     if not tf.compat.v1.executing_eagerly_outside_functions():
       return  # TF1 graph mode: nothing to wait on from here
@@ -83,7 +82,7 @@ class FirstCompile:
     while time.monotonic() - begun < GIVE_UP_S:
       try:
         if self._done():
-          LOGGER.warning("tf_adacomp: %s compiled %d XLA programs and ran its first "
+          log.info("%s compiled %d XLA programs and ran its first "
                          "compressed step in %.1f s.", self.what, count,
                          time.monotonic() - begun)
           return

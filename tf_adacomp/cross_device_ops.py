@@ -65,7 +65,6 @@ there, the residues have nowhere to go and stay in the checkpoint, unread.)
 
 import collections.abc
 import copy
-import logging
 
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
@@ -73,9 +72,11 @@ from tensorflow.python.distribute import distribute_utils
 from tensorflow.python.distribute import values as values_lib
 from tensorflow.python.ops import resource_variable_ops
 
+from tf_adacomp import _keywords
 from tf_adacomp import compile_log
 from tf_adacomp import exchange as exchange_lib
 from tf_adacomp import hierarchy as hierarchy_lib
+from tf_adacomp import log
 from tf_adacomp import stats
 from tf_adacomp.compat import internals
 from tf_adacomp.compressors import registry
@@ -103,6 +104,8 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
       destination decodes one payload per group.
 
   Raises:
+    TypeError: an unknown keyword argument (named with its value and the closest valid
+      name).
     ValueError: unknown compressor or reduction, ``start_step`` < 0, ``min_size`` < 0,
       ``devices_per_worker`` < 1 (a TypeError if not an int), or, when reducing, one
       that does not divide the strategy's devices.
@@ -110,6 +113,7 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
       Graph and Session), which it does not support.
   """
 
+  @_keywords.suggest_keywords
   def __init__(self, compressor="adacomp", start_step: int = 0, min_size=None,
                reduction: str = "sum", devices_per_worker=None):
     _refuse_graph_mode()
@@ -412,7 +416,7 @@ def _refuse_graph_mode():
 def _warn_checkpoints_do_not_hold_residues():
   """Once per ``CompressedAllReduce``, at its first residues: nothing but the docstring
   said that a model's checkpoint restores them as zeros."""
-  logging.getLogger("tf_adacomp").warning(
+  log.warning(
       "CompressedAllReduce keeps its residues (error feedback) itself: model.save, Keras' "
       "ModelCheckpoint and BackupAndRestore and a tf.train.Checkpoint of the model and "
       "optimizer do not hold them, and a restore starts them from zero. To keep them, "

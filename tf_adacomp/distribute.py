@@ -8,7 +8,10 @@
   the Keras fix that makes ``model.fit`` work under it
   (``tf_adacomp.compat.keras_multi_worker``);
   ``TF_CONFIG`` is checked first, and the workers compare their clusters once;
-- ``tf_config(addresses, index)``: the ``TF_CONFIG`` of one worker of a cluster.
+- ``tf_config(addresses, index)``: the ``TF_CONFIG`` of one worker of a cluster;
+- ``warn_if_training_alone(strategy, owner)``: the ``UnsynchronizedWorkersWarning`` of
+  an optimizer wrapper training where ``TF_CONFIG`` names several workers but its
+  strategy spans only this one (each worker would train a model of its own, silently).
 
 Under ``MultiWorkerMirroredStrategy`` the cross-device ops cannot be replaced, so
 compression there goes through ``tf_adacomp.CompressedOptimizer`` instead.
@@ -29,6 +32,7 @@ import itertools
 import json
 import os
 from typing import List, Optional, Sequence
+import warnings
 
 import tensorflow as tf
 
@@ -38,7 +42,8 @@ from tf_adacomp.compressors import get_compressor
 from tf_adacomp.cross_device_ops import CompressedAllReduce
 from tf_adacomp.ops import checks
 
-__all__ = ["mirrored_strategy", "multi_worker_strategy", "split_logical_devices", "tf_config"]
+__all__ = ["UnsynchronizedWorkersWarning", "mirrored_strategy", "multi_worker_strategy",
+           "split_logical_devices", "tf_config", "warn_if_training_alone"]
 
 # Collective key ranges of the MirroredStrategy objects made in this process (see the
 # module doc). TensorFlow's own tests space them the same way
@@ -382,6 +387,86 @@ def _worker_count(config: dict) -> int:
   """The workers of a checked TF_CONFIG's cluster: its chief and worker tasks."""
   cluster = config["cluster"]
   return len(cluster.get("chief", [])) + len(cluster.get("worker", []))
+
+
+class UnsynchronizedWorkersWarning(UserWarning):
+  """``TF_CONFIG`` names several workers, but a compressed optimizer's exchange spans only
+  this process's replicas: the workers train independently, each a model of its own.
+
+  A category of its own so that a job can make it an error
+  (``warnings.simplefilter("error", tf_adacomp.UnsynchronizedWorkersWarning)``) or, for
+  processes meant to train alone, ignore it.
+  """
+
+
+def warn_if_training_alone(strategy, owner: str) -> bool:
+  """Warns, with ``UnsynchronizedWorkersWarning``, when ``TF_CONFIG`` names several
+  workers but ``strategy`` spans this worker only.
+
+  The trap it catches: a multi-worker job (a converted Horovod script) whose model and
+  optimizer are built outside ``MultiWorkerMirroredStrategy.scope()``, or with no such
+  strategy at all. Nothing fails then: every worker runs, exchanges payloads among its
+  own replicas, reports its compression ratio and exits 0, having trained a model of
+  its own. The optimizer wrappers call this once, at their first step, with the strategy
+  of the replica context they exchange in (not when built: loading a saved model builds
+  the optimizer too, often outside any strategy, and trains nothing).
+
+  Args:
+    strategy: the ``tf.distribute.Strategy`` whose replicas the optimizer exchanges
+      with (``tf.distribute.get_strategy()`` in its replica context: the default
+      strategy outside any scope).
+    owner: the wrapper, as the message names it.
+
+  Returns:
+    Whether it warned: ``TF_CONFIG`` is valid, names more than one chief or worker
+    task, this process is one of them (an evaluator or parameter server runs alone by
+    design), and ``strategy`` is not a multi-worker strategy with more than one worker.
+    No ``TF_CONFIG``, or one that ``multi_worker_strategy`` would refuse, never warns:
+    that strategy's own check names what is wrong.
+  """
+  raw = os.environ.get("TF_CONFIG")
+  if not raw:
+    return False
+  try:
+    config = _check_tf_config(raw)
+  except ValueError:
+    return False
+  workers = _worker_count(config)
+  task = config["task"]
+  if workers < 2 or task["type"] not in ("chief", "worker") or _spans_workers(strategy):
+    return False
+  # TensorFlow's default strategy (outside any scope) has a private class name: say
+  # what it means instead.
+  if type(strategy).__name__.startswith("_Default"):
+    where = "no tf.distribute strategy (outside any strategy.scope())"
+  else:
+    replicas = strategy.num_replicas_in_sync
+    where = (f"a {type(strategy).__name__} of {replicas} replica"
+             f"{'s' if replicas != 1 else ''} on this worker alone")
+  # stacklevel 2: the wrapper's line, one place, so that Python's default filter shows
+  # it once per process however many optimizers a job makes.
+  warnings.warn(
+      f"TF_CONFIG names {workers} workers (this process is its {task['type']} "
+      f"{task['index']}), but {owner} is training under {where}: its exchange spans this "
+      f"process only, so each worker trains a model of its own, unsynchronised, and still "
+      f"exits 0. To train one model on the {workers} workers, create a "
+      f"tf.distribute.MultiWorkerMirroredStrategy (or "
+      f"tf_adacomp.distribute.multi_worker_strategy()) at the start of every worker, "
+      f"build the model and the optimizer and call model.compile under its "
+      f"strategy.scope(), and batch the dataset with the global batch size (the per-worker "
+      f"batch times {workers}). If each process is meant to train alone, unset TF_CONFIG. "
+      f"(warnings.simplefilter(\"error\", tf_adacomp.UnsynchronizedWorkersWarning) "
+      f"makes this an error.)", UnsynchronizedWorkersWarning, stacklevel=2)
+  return True
+
+
+def _spans_workers(strategy) -> bool:
+  """Whether ``strategy`` synchronises several workers: a ``MultiWorkerMirroredStrategy``
+  of more than one worker (its replicas are the workers' devices), or a parameter
+  server strategy (the workers share the parameter servers' variables)."""
+  if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+    return strategy.num_replicas_in_sync > len(strategy.extended.worker_devices)
+  return isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)
 
 
 def _is_address(address) -> bool:

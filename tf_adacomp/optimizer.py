@@ -64,7 +64,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_adacomp import _keywords
 from tf_adacomp import compile_log
+from tf_adacomp import distribute
 from tf_adacomp import exchange as exchange_lib
 from tf_adacomp import hierarchy as hierarchy_lib
 from tf_adacomp import local_steps as local_steps_lib
@@ -243,7 +245,9 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       the optimizer is built.
 
   Raises:
-    TypeError: ``inner_optimizer`` is not a Keras optimizer.
+    TypeError: ``inner_optimizer`` is not a Keras optimizer; an unknown keyword argument
+      (named with its value and the closest valid name: ``local_step=8`` -> "Did you
+      mean 'local_steps'?").
     ValueError: unknown compressor, reduction, adasum_mode or exchange;
       ``adasum_mode="delta"`` without ``reduction="adasum"``; an ``adasum_mode`` that
       contradicts ``exchange``; ``momentum_masking`` not a bool, or True where it cannot
@@ -280,9 +284,11 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       if (value is None) != (default is None) or value != default:
         raise ValueError(f"CompressedOptimizer does not take `{argument}`: set it on the "
                          f"inner optimizer. Received: {argument}={value!r}")
-    if kwargs:
-      raise ValueError(f"CompressedOptimizer does not take arguments {sorted(kwargs)}. "
-                       f"Received: {kwargs!r}")
+    # Keras' own base arguments are valid names too (at their defaults, above): a
+    # misspelt one is answered with the closest of either.
+    _keywords.refuse_unknown_keywords(
+        "CompressedOptimizer", kwargs,
+        _keywords.keyword_names(CompressedOptimizer.__init__) + tuple(_BASE_DEFAULTS))
     if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
       raise TypeError(f"`inner_optimizer` must be a keras.optimizers.Optimizer. "
                       f"Received: inner_optimizer={inner_optimizer!r}")
@@ -470,6 +476,12 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
   def apply(self, grads, trainable_variables=None):
     if tf.distribute.in_cross_replica_context():
       raise ValueError("CompressedOptimizer.apply() must be called in a replica context.")
+    if not self.__dict__.get("_workers_checked"):
+      # At the first step, in the replica context the exchange runs in: not in build,
+      # which also runs where nothing trains (keras.saving.load_model builds the
+      # optimizer to restore it, often outside any strategy, to export the model).
+      self._workers_checked = True
+      distribute.warn_if_training_alone(tf.distribute.get_strategy(), "CompressedOptimizer")
     if not self.built:
       with keras.name_scope(self.name, caller=self):
         self.build(trainable_variables)
@@ -867,6 +879,30 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     if not self.built:
       return []
     return list(zip(self.plans, (int(b) for b in self.bytes_sent.numpy())))
+
+  def moment_bytes(self):
+    """Of ``variable_bytes()``, what the last step's average of Adam's moments sent.
+
+    With the shared second moment (``second_moment="shared"`` or ``"global"``) the
+    replicas average their moments, dense bfloat16, at steps 1, 2, 4, 8, ...: those bytes
+    are counted in ``variable_bytes()`` beside the compressed exchange's, and
+    ``CompressionStats`` keeps them out of the compression ratio.
+
+    Returns:
+      Bytes per variable, in ``variable_bytes()``'s order (zeros at a step that averaged
+      nothing), or None without a shared second moment.
+    """
+    if not self.built or self.second_moment not in ("shared", "global"):
+      return None
+    replicas = self._distribution_strategy.num_replicas_in_sync
+    synced = int(self.moment_synced_at.numpy()) == int(self.inner_optimizer.iterations.numpy())
+    if replicas == 1 or not synced:
+      return [0] * len(self.plans)
+    averaged = 2 if self.second_moment == "global" else 1  # v, and m^2 for "global"
+    # The step counts averaged * elements * 2 bytes for each variable that had a gradient;
+    # one without sent nothing at all, so the smaller of the two is what was sent.
+    return [min(int(sent), averaged * plan.shape.num_elements() * 2)
+            for plan, sent in zip(self.plans, self.bytes_sent.numpy())]
 
   def compression_stats(self):
     """Bytes of the last step per variable kind and in total (see ``stats``)."""

@@ -53,6 +53,8 @@ except ImportError as error:  # an optional dependency: say how to get it
       "for TensorFlow 2.21).") from error
 import tensorflow as tf
 
+from tf_adacomp import _keywords
+from tf_adacomp import distribute
 from tf_adacomp import exchange as exchange_lib
 from tf_adacomp import hierarchy as hierarchy_lib
 from tf_adacomp import optimizer as optimizer_lib
@@ -98,10 +100,12 @@ class CompressedOptimizer(tf_keras.optimizers.Optimizer):
 
   Raises:
     TypeError: ``inner_optimizer`` is not a tf_keras optimizer (a Keras 3 one is named
-      with the wrapper to use instead), or is a legacy one with ``exchange="updates"``.
+      with the wrapper to use instead), or is a legacy one with ``exchange="updates"``;
+      an unknown keyword argument (named with its value and the closest valid name).
     ValueError: an argument out of its range, named with the value received.
   """
 
+  @_keywords.suggest_keywords
   def __init__(self, inner_optimizer, compressor="adacomp", start_step=0, reduction="sum",
                exchange=None, local_clipnorm=None, hierarchical=None,
                devices_per_worker=None, name="CompressedOptimizer"):
@@ -232,6 +236,12 @@ class CompressedOptimizer(tf_keras.optimizers.Optimizer):
     if tf.distribute.in_cross_replica_context():
       raise ValueError("CompressedOptimizer.apply_gradients() must be called in a replica "
                        "context (in model.fit, or inside strategy.run).")
+    if not self.__dict__.get("_workers_checked"):
+      # At the first step, in the replica context the exchange runs in: not in build,
+      # which also runs where nothing trains (restoring a saved optimizer to export it).
+      self._workers_checked = True
+      distribute.warn_if_training_alone(tf.distribute.get_strategy(),
+                                        "tf_adacomp.tf_keras.CompressedOptimizer")
     pairs = [(g, v) for g, v in grads_and_vars if g is not None]
     if not pairs:
       raise ValueError("No gradients provided for any variable.")

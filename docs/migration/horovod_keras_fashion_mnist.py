@@ -1,9 +1,10 @@
 """Fashion-MNIST with Horovod and tf.keras, in the shape of a typical Horovod TF2 Keras script.
 
 The starting point of docs/migrating_from_horovod.md: examples/tf_keras_fashion_mnist.py
-is this script converted by that page's table, and tests/examples/test_horovod_migration.py
-counts the lines that changed. It needs Horovod, which does not build against current
-TensorFlow, so nothing here runs it. Horovod ran it as:
+(tf_keras) and examples/keras3_fashion_mnist.py (Keras 3) are this script converted by
+that page's table, and tests/examples/test_horovod_migration.py counts the lines that
+changed. It needs Horovod, which does not build against current TensorFlow, so nothing
+here runs it. Horovod ran it as:
 
     horovodrun -np 2 python horovod_keras_fashion_mnist.py CHECKPOINT_DIR
 """

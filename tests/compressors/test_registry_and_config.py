@@ -1,5 +1,6 @@
 """The compressor contract: registry, plans, configs and bad arguments."""
 
+import inspect
 import json
 
 import keras
@@ -214,6 +215,42 @@ def test_unknown_arguments_are_refused_not_dropped():
   saved["config"]["error_feedback"] = False
   with pytest.raises(ValueError, match=r"\['error_feedback'\].*Received: config="):
     keras.saving.deserialize_keras_object(saved)
+
+
+@pytest.mark.parametrize("make, owner, typo, meant", [
+    (tf_adacomp.AdaComp, "AdaComp", "dense_bin_sise", "dense_bin_size"),
+    (tf_adacomp.TopK, "TopK", "densty", "density"),
+    (tf_adacomp.FFTCompressor, "FFTCompressor", "Theta", "theta"),
+    # The casts inherit Compressor's constructor, and are named themselves.
+    (tf_adacomp.FP16, "FP16", "minsize", "min_size"),
+    (tf_adacomp.BF16, "BF16", "min_sizes", "min_size"),
+    (tf_adacomp.NoCompression, "NoCompression", "min_size_", "min_size"),
+    (lambda **kwargs: tf_adacomp.get_compressor("adacomp", **kwargs), "AdaComp",
+     "max_densty", "max_density"),
+])
+def test_a_misspelt_keyword_is_refused_naming_the_closest_one(make, owner, typo, meant):
+  with pytest.raises(TypeError) as error:
+    make(**{typo: 3})
+  assert str(error.value) == (f"{owner}() got an unexpected keyword argument {typo!r} "
+                              f"(Received: {typo}=3). Did you mean {meant!r}?")
+
+
+def test_an_unknown_keyword_without_a_close_one_lists_the_valid_names():
+  with pytest.raises(TypeError) as error:
+    tf_adacomp.TopK(0.1, error_feedback=False)
+  assert str(error.value) == ("TopK() got an unexpected keyword argument 'error_feedback' "
+                              "(Received: error_feedback=False). TopK() takes: density, "
+                              "min_size.")
+
+
+def test_a_misspelt_config_key_is_named_with_the_closest_one():
+  # The constructors' signatures are still theirs (their checks wrap them): the config
+  # check reads them.
+  assert list(inspect.signature(tf_adacomp.TopK).parameters) == ["density", "min_size"]
+  config = {"name": "topk", "config": {"densty": 0.1}}
+  with pytest.raises(ValueError, match=r"\['densty'\].*did you mean 'density' for "
+                                       r"'densty'\?.*Received: identifier="):
+    tf_adacomp.get_compressor(config)
 
 
 @pytest.mark.parametrize("config, match", [

@@ -1,4 +1,5 @@
-"""The CIFAR-10 ResNet example: the network of He et al., the tfds pipeline, a short run."""
+"""The CIFAR-10 ResNet example: the network of He et al., the tfds pipeline (mocked, and
+tfds' real cifar10 builder on files in CIFAR-10's binary format), a short run."""
 
 import numpy as np
 import pytest
@@ -36,24 +37,50 @@ def test_augment_pads_crops_and_flips():
   assert set(np.unique(out.numpy())) <= set(np.unique(image.numpy())) | {0.0}
 
 
-def test_the_tfds_pipeline_gives_normalised_images(tmp_path):
+def test_the_tfds_pipeline_gives_normalised_images(tmp_path, monkeypatch):
   config = flags_and_config.make_config(cifar10_resnet, data_dir=str(tmp_path / "tfds"))
-  with tfds.testing.mock_data(num_examples=16):
+  with example_runs.mock_tfds(monkeypatch, num_examples=16):
     data = cifar10_resnet.load_data(config)
   x, y = next(iter(data.train.batch(4)))
   assert x.shape == (4, 32, 32, 3) and y.dtype == tf.int32
   assert abs(float(tf.reduce_mean(x))) < 3.0  # normalised
 
 
+def test_tfds_prepares_cifar10_from_its_binary_archive(tmp_path, monkeypatch):
+  """tfds' own cifar10 builder, from an archive in CIFAR-10's binary format through
+  download (a local copy), extraction, _generate_examples and the prepared files, to the
+  example's pipeline: the images and labels written come out (test split: normalised,
+  in tfds' shuffled order)."""
+  example_runs.block_network(monkeypatch)  # a redirect gone wrong must not download
+  archive, written = example_runs.write_cifar10_archive(tmp_path, per_file=4, test_size=8)
+  example_runs.serve_cifar10_from(monkeypatch, archive)
+  config = flags_and_config.make_config(cifar10_resnet, data_dir=str(tmp_path / "tfds"))
+  data = cifar10_resnet.load_data(config)
+  assert (data.train_size, data.test_size) == (20, 8)  # from the prepared split metadata
+  assert (tfds.builder("cifar10", data_dir=config.data_dir).info.features["label"].names
+          == list(example_runs.CIFAR10_LABELS))  # from batches.meta.txt
+  images, labels = next(iter(data.test.batch(8)))
+  pixels = np.rint((images.numpy() * cifar10_resnet.STD + cifar10_resnet.MEAN) * 255)
+  read = sorted((int(y), x.astype(np.uint8).tobytes()) for x, y in zip(pixels, labels))
+  assert read == sorted((int(y), x.tobytes()) for x, y in zip(*written["test"]))
+  x, y = next(iter(data.train.batch(20)))
+  assert x.shape == (20, 32, 32, 3) and sorted(y.numpy()) == sorted(written["train"][1])
+
+
 @pytest.mark.slow
-def test_trains_on_the_tfds_pipeline(tmp_path):
+def test_trains_on_the_tfds_pipeline(tmp_path, monkeypatch):
+  """From CIFAR-10's binary archive through tfds' real cifar10 builder (as
+  test_tfds_prepares_cifar10_from_its_binary_archive) to model.fit."""
+  example_runs.block_network(monkeypatch)
+  archive, _ = example_runs.write_cifar10_archive(tmp_path, per_file=4, test_size=8)
+  example_runs.serve_cifar10_from(monkeypatch, archive)
   # One replica (one compile of the step): the replicas' exchange is tested elsewhere.
   config = example_runs.small_config(cifar10_resnet, tmp_path, compressor="fp16",
                                      replicas=1, eval_steps=1,
                                      data_dir=str(tmp_path / "tfds"))
-  with tfds.testing.mock_data(num_examples=16):
-    summary = training.train(cifar10_resnet, config)
+  summary = training.train(cifar10_resnet, config)
   example_runs.check_summary(summary, tmp_path, kinds=("conv", "dense", "vector"))
+  assert summary["steps"] == 3
   assert summary["compression_ratio"] == pytest.approx(2.0, rel=0.01)  # float16
   trainable = cifar10_resnet.resnet_cifar(20).trainable_weights
   assert summary["parameters"] == sum(int(np.prod(v.shape)) for v in trainable)

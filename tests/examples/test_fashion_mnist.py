@@ -4,7 +4,6 @@ import gzip
 
 import numpy as np
 import pytest
-import tensorflow_datasets as tfds
 
 import example_runs
 from tf_adacomp.examples import fashion_mnist
@@ -51,7 +50,7 @@ def test_data_dir_with_idx_files_is_read(tmp_path):
 def test_without_idx_files_tfds_is_used(tmp_path, monkeypatch):
   monkeypatch.setattr(fashion_mnist, "DEBIAN_DIR", str(tmp_path / "absent"))
   config = flags_and_config.make_config(fashion_mnist, data_dir=str(tmp_path))
-  with tfds.testing.mock_data(num_examples=12):
+  with example_runs.mock_tfds(monkeypatch, num_examples=12):
     data = fashion_mnist.load_data(config)
   assert (data.train_size, data.test_size) == (12, 12)
   x, _ = next(iter(data.train.batch(4)))

@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 import tensorflow as tf
-import tensorflow_datasets as tfds
 
 import example_runs
 from tf_adacomp.examples import flags_and_config
@@ -35,14 +34,14 @@ def test_defaults_are_the_large_batch_recipe():
 
 
 @pytest.mark.slow
-def test_trains_on_the_tfds_pipeline(tmp_path):
+def test_trains_on_the_tfds_pipeline(tmp_path, monkeypatch):
   # One replica: ResNet-50's step compiles once, not once per device (the replicas'
   # exchange is tested on the smaller examples); 32x32 is the smallest ResNet50 takes.
   config = example_runs.small_config(
       imagenet_resnet50, tmp_path, compressor="bf16", warmup_epochs=0, image_size=32,
       replicas=1, eval_steps=1, manual_dir=str(tmp_path / "manual"),
       data_dir=str(tmp_path / "tfds"))
-  with tfds.testing.mock_data(num_examples=8):
+  with example_runs.mock_tfds(monkeypatch, num_examples=8):
     summary = training.train(imagenet_resnet50, config)
   example_runs.check_summary(summary, tmp_path, kinds=("conv", "dense", "vector"))
   assert summary["parameters"] > 23e6  # ResNet-50 with 1000 classes

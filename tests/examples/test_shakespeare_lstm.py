@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import tensorflow_datasets as tfds
 
 import example_runs
 from tf_adacomp.examples import flags_and_config
@@ -21,10 +20,10 @@ def test_windows_need_enough_text():
     shakespeare_lstm.windows(np.arange(10), 10)
 
 
-def test_the_tfds_pipeline_gives_windows_shifted_by_one(tmp_path):
+def test_the_tfds_pipeline_gives_windows_shifted_by_one(tmp_path, monkeypatch):
   config = flags_and_config.make_config(shakespeare_lstm, seq_length=4,
                                         data_dir=str(tmp_path / "tfds"))
-  with tfds.testing.mock_data(num_examples=1):
+  with example_runs.mock_tfds(monkeypatch, num_examples=1):
     data = shakespeare_lstm.load_data(config)
   x, y = next(iter(data.train.batch(2)))
   assert x.shape == (2, 4) and y.shape == (2, 4)
@@ -32,13 +31,13 @@ def test_the_tfds_pipeline_gives_windows_shifted_by_one(tmp_path):
 
 
 @pytest.mark.slow
-def test_trains_with_adacomp_on_the_tfds_pipeline(tmp_path):
+def test_trains_with_adacomp_on_the_tfds_pipeline(tmp_path, monkeypatch):
   # One replica (one compile of each AdaComp program): the replicas' exchange is tested
   # on the other examples.
   config = example_runs.small_config(
       shakespeare_lstm, tmp_path, compressor="adacomp", seq_length=4, lstm_units=32,
       embedding_dim=8, replicas=1, eval_steps=1, data_dir=str(tmp_path / "tfds"))
-  with tfds.testing.mock_data(num_examples=1):
+  with example_runs.mock_tfds(monkeypatch, num_examples=1):
     summary = training.train(shakespeare_lstm, config)
   example_runs.check_summary(summary, tmp_path, kinds=("recurrent", "dense", "vector"))
   # The LSTM's kernel and recurrent kernel are "recurrent"; embedding and output "dense".

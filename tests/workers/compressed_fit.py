@@ -16,11 +16,13 @@ The runs train one after the other in this process, under one strategy
 Each is the model, data and steps of ``keras_fit.py``, from the same seed. Writes to
 ``$MULTI_WORKER_OUT_DIR``, per run (``:`` in RUN becomes ``-``): ``{run}/worker{i}.npz``
 (final weights and this worker's residues) and ``{run}/worker{i}.json`` (history,
-evaluation, compression statistics of the last step).
+evaluation, compression statistics of the last step, and the message of every
+``tf_adacomp.UnsynchronizedWorkersWarning`` the run raised: none, under the strategy).
 """
 
 import json
 import sys
+import warnings
 
 import keras
 import numpy as np
@@ -84,6 +86,24 @@ def train(strategy, run, x, y):
   return model, history, evaluation
 
 
+def _record_unsynchronized_warnings():
+  """A list that collects the message of every UnsynchronizedWorkersWarning from now on
+  (each one, not the first per place), still shown on stderr as usual."""
+  import tf_adacomp  # pylint: disable=g-import-not-at-top
+
+  caught = []
+  show = warnings.showwarning
+
+  def record(message, category, *args, **kwargs):
+    if issubclass(category, tf_adacomp.UnsynchronizedWorkersWarning):
+      caught.append(str(message))
+    show(message, category, *args, **kwargs)
+
+  warnings.showwarning = record
+  warnings.simplefilter("always", tf_adacomp.UnsynchronizedWorkersWarning)
+  return caught
+
+
 def _heartbeat_timeout_ms():
   from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
   return context.context().coordination_service.heartbeat_timeout_in_ms
@@ -99,7 +119,9 @@ def main():
   strategy = multi_worker_strategy(heartbeat_timeout=HEARTBEAT_S)
   x, y = keras_fit.load_digits()
   index = worker_index()
+  unsynchronized = _record_unsynchronized_warnings()
   for run in runs:
+    unsynchronized.clear()
     model, history, evaluation = train(strategy, run, x, y)
     residues = [r.value.values[0].numpy() if hasattr(r.value, "values") else r.numpy()
                 for state in getattr(model.optimizer, "residues", ()) for r in state]
@@ -119,7 +141,8 @@ def main():
     with open(out / f"worker{index}.json", "w") as f:
       json.dump({"run": run, "history": history, "evaluation": evaluation,
                  "heartbeat_timeout_ms": _heartbeat_timeout_ms(),
-                 "replicas": strategy.num_replicas_in_sync, "stats": stats}, f)
+                 "replicas": strategy.num_replicas_in_sync, "stats": stats,
+                 "unsynchronized_warnings": list(unsynchronized)}, f)
     print(f"worker {index}: {run} trained, history {history}", flush=True)
 
 

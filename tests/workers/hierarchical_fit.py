@@ -102,6 +102,10 @@ def main():
   from multi_worker import worker_index, worker_out_dir  # pylint: disable=g-import-not-at-top
   import tf_adacomp  # pylint: disable=g-import-not-at-top
 
+  # Built under the strategy, the optimizer must not warn that the worker trains alone
+  # (issue 42): as an error, a false alarm fails the job.
+  import warnings  # pylint: disable=g-import-not-at-top
+  warnings.simplefilter("error", tf_adacomp.UnsynchronizedWorkersWarning)
   tf_adacomp.distribute.split_logical_devices(DEVICES)
   strategy = tf_adacomp.distribute.multi_worker_strategy(devices_per_worker=DEVICES,
                                                          heartbeat_timeout=45)

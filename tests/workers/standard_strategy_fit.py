@@ -8,6 +8,7 @@ with AdaComp, ``model.fit`` and ``evaluate`` on ``keras_fit``'s digits. Writes t
 """
 
 import json
+import warnings
 
 import keras
 import numpy as np
@@ -21,6 +22,9 @@ def main():
   import tf_adacomp  # pylint: disable=g-import-not-at-top
   from tf_adacomp.compat import keras_multi_worker  # pylint: disable=g-import-not-at-top
 
+  # Built under the strategy, the optimizer must not warn that the worker trains alone
+  # (issue 42): as an error, a false alarm fails the job.
+  warnings.simplefilter("error", tf_adacomp.UnsynchronizedWorkersWarning)
   strategy = tf.distribute.MultiWorkerMirroredStrategy()
   before = keras_multi_worker.keras_multi_worker_fix_applied()
   keras.utils.set_random_seed(0)

@@ -70,13 +70,13 @@ installed Keras that each guard agrees with the behaviour it stands for.
 
 import functools
 import inspect
-import logging
 import re
 from typing import Tuple
 
 import keras
 import tensorflow as tf
 
+from tf_adacomp import log
 from tf_adacomp.compat import internals
 from tf_adacomp.compat import patches
 from tf_adacomp.compat import versions
@@ -234,8 +234,8 @@ def apply_keras_multi_worker_fix_for(strategy) -> Tuple[str, ...]:
     return ()
   new = tuple(name for name in PATCHES if patches.install(name))
   if new:
-    logging.getLogger("tf_adacomp").warning(
-        "tf_adacomp: patched Keras %s for model.fit under MultiWorkerMirroredStrategy "
+    log.info(
+        "patched Keras %s for model.fit under MultiWorkerMirroredStrategy "
         "(%s): %s.", keras.__version__, UPSTREAM_ISSUE, ", ".join(new))
   return new
 

@@ -18,10 +18,10 @@ function that something else put there since: that one is never overwritten by a
 """
 
 import dataclasses
-import logging
 import threading
 from typing import Any, Callable, Dict, Optional, Set
 
+from tf_adacomp import log
 from tf_adacomp.compat import versions
 
 __all__ = ["MARK", "Patch", "applied", "install", "names", "needed", "original", "register",
@@ -163,8 +163,7 @@ def install(name: str) -> bool:
     if current is None:
       if patch.missing and name not in _WARNED:
         _WARNED.add(name)
-        logging.getLogger("tf_adacomp").warning("tf_adacomp (%s): %s", versions.installed(),
-                                                patch.missing)
+        log.warning("%s (%s)", patch.missing, versions.installed())
       return False
     if not patch.needed(current):
       return False

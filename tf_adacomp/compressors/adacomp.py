@@ -5,6 +5,7 @@ import re
 import keras
 import tensorflow as tf
 
+from tf_adacomp import _keywords
 from tf_adacomp.compressors import base
 from tf_adacomp.compressors import registry
 from tf_adacomp.ops import adacomp as adacomp_ops
@@ -47,6 +48,7 @@ class AdaComp(base.Compressor):
       ``scale`` not "tensor" or "bin", ``fuse`` not a bool.
   """
 
+  @_keywords.suggest_keywords
   def __init__(self, conv_bin_size: int = 50, dense_bin_size: int = 500,
                recurrent_bin_size: int = 500, bin_sizes=None, max_density: float = 0.25,
                min_size: int = 0, scale: str = "tensor", fuse: bool = True):

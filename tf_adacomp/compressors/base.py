@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
+from tf_adacomp import _keywords
 from tf_adacomp import _version
 from tf_adacomp.ops import checks
 
@@ -123,12 +124,17 @@ class Compressor(abc.ABC):
   ``decompress`` and, when they keep state, ``init``. Tensors smaller than ``min_size``
   elements go uncompressed (dense, summable) and are counted as such.
 
+  The built-in compressors' constructors refuse an unknown keyword argument with a
+  TypeError that names it, its value and the closest valid name
+  (``AdaComp(dense_bin_sise=100)``: "Did you mean 'dense_bin_size'?").
+
   Args:
     min_size: int >= 0; gradients with fewer elements are sent dense.
   """
 
   name: str = ""
 
+  @_keywords.suggest_keywords
   def __init__(self, min_size: int = 0):
     self.min_size = checks.non_negative_int(min_size, "min_size")
 
@@ -321,10 +327,13 @@ def check_config_keys(cls: type, config: Dict[str, Any], received: str) -> None:
   known.discard("self")
   unknown = sorted(set(config) - known, key=str)
   if unknown:
+    close = [(name, _keywords.closest(name, known)) for name in unknown]
+    hint = ", ".join(f"{match!r} for {name!r}" for name, match in close if match)
     raise ValueError(
         f"The {cls.__name__} config has argument(s) {unknown} that the installed "
         f"tf_adacomp {_version.__version__} does not know (it takes "
-        f"{', '.join(sorted(known))}): the config may come from a newer tf_adacomp. "
+        f"{', '.join(sorted(known))}): the config may come from a newer tf_adacomp"
+        f"{f' or misspell an argument (did you mean {hint}?)' if hint else ''}. "
         f"{received}")
 
 

@@ -5,6 +5,7 @@ from typing import Optional
 import keras
 import tensorflow as tf
 
+from tf_adacomp import _keywords
 from tf_adacomp.compressors import base
 from tf_adacomp.compressors import registry
 from tf_adacomp.ops import fft as fft_ops
@@ -50,6 +51,7 @@ class FFTCompressor(base.Compressor):
     ValueError: an argument out of range (the error names it and the value received).
   """
 
+  @_keywords.suggest_keywords
   def __init__(self, theta: float = 0.9, final_theta: Optional[float] = None,
                theta_decay_steps: int = 0, exponent_bits: int = 4, mantissa_bits: int = 3,
                min_size: int = 0):

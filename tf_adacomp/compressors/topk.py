@@ -3,6 +3,7 @@
 import keras
 import tensorflow as tf
 
+from tf_adacomp import _keywords
 from tf_adacomp.compressors import base
 from tf_adacomp.compressors import registry
 from tf_adacomp.ops import checks
@@ -22,6 +23,7 @@ class TopK(base.Compressor):
     ValueError: ``density`` outside (0, 1] or ``min_size`` < 0.
   """
 
+  @_keywords.suggest_keywords
   def __init__(self, density: float = 0.01, min_size: int = 0):
     super().__init__(min_size=min_size)
     self.density = checks.fraction(density, "density")
