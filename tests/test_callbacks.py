@@ -1,6 +1,7 @@
 """CompressionStats: per-step logs and the run's totals, from a stand-in source."""
 
 import math
+import types
 
 import pytest
 import tensorflow as tf
@@ -22,6 +23,13 @@ class _Source:
 
   def variable_bytes(self):
     return self.steps.pop(0)
+
+
+class _Model:
+  """What the callback reads of a model after fit began: its History's dict."""
+
+  def __init__(self):
+    self.history = types.SimpleNamespace(history={})
 
 
 def _step(conv_sent, dense_sent):
@@ -49,14 +57,16 @@ def test_totals_are_sums_over_the_steps_and_logs_per_step():
 def test_an_epoch_whose_steps_sent_nothing_but_one_has_the_ratio_of_its_sums():
   # Local steps: only a round's last step sends.
   stats = tf_adacomp.CompressionStats(source=_Source([_step(0, 0), _step(0, 0), _step(20, 5)]))
+  stats.set_model(_Model())
   stats.on_train_begin()
   for batch in range(3):
     stats.on_train_batch_end(batch, {})
   epoch = {}
   stats.on_epoch_end(0, epoch)
+  history = stats.model.history.history
   assert epoch["compression_ratio"] == pytest.approx(3 * 1400 / 25)
-  assert epoch["compression_ratio_conv"] == pytest.approx(3 * 400 / 20)
-  assert epoch["bytes_sent"] == pytest.approx(25 / 3)
+  assert history["compression_ratio_conv"] == [pytest.approx(3 * 400 / 20)]
+  assert history["bytes_sent"] == [pytest.approx(25 / 3)]
 
 
 def test_totals_restart_with_each_fit_and_skip_steps_without_figures():
@@ -75,6 +85,7 @@ def test_the_progress_bar_gets_one_figure_the_fit_so_far_and_no_nan():
   # Local steps: the first steps send nothing; then one round sends.
   stats = tf_adacomp.CompressionStats(source=_Source(
       [_step(0, 0), _step(0, 0), _step(20, 5), _step(0, 0), _step(40, 10)]))
+  stats.set_model(_Model())
   stats.on_train_begin()
   bars = []
   for batch in range(5):
@@ -85,10 +96,12 @@ def test_the_progress_bar_gets_one_figure_the_fit_so_far_and_no_nan():
   assert bars[2] == {"loss": 1.0, "compression_ratio": pytest.approx(3 * 1400 / 25)}
   assert bars[3]["compression_ratio"] == pytest.approx(4 * 1400 / 25)  # the fit so far
   assert bars[4]["compression_ratio"] == pytest.approx(5 * 1400 / 75)
-  epoch = {}
-  stats.on_epoch_end(0, epoch)  # the History keeps every figure
-  assert {"compression_ratio", "compression_ratio_conv", "compression_ratio_dense",
-          "bytes_sent"} <= set(epoch)
+  epoch = {"loss": 1.0}
+  stats.on_epoch_end(0, epoch)  # Keras prints these at the bar's end: one figure
+  assert epoch == {"loss": 1.0, "compression_ratio": pytest.approx(5 * 1400 / 75)}
+  assert set(stats.model.history.history) == {  # the rest goes to the History
+      "bytes_sent", "compression_ratio_conv", "compression_ratio_dense"}
+  assert stats.model.history.history["bytes_sent"] == [pytest.approx(75 / 5)]
 
 
 class _AdamSource(_Source):
@@ -115,6 +128,7 @@ def test_adams_moment_averages_count_in_bytes_but_not_in_the_ratio():
                        moments=[[400, 1000], [0, 0], [400, 1000]], iterations=[0, 1, 2, 2])
   source._advance()
   stats = tf_adacomp.CompressionStats(source=source)
+  stats.set_model(_Model())
   stats.on_train_begin()
   bars = []
   for batch in range(3):
@@ -127,9 +141,10 @@ def test_adams_moment_averages_count_in_bytes_but_not_in_the_ratio():
   assert bars[2]["compression_ratio"] == pytest.approx(4200 / 150)
   epoch = {}
   stats.on_epoch_end(0, epoch)
-  assert epoch["moment_bytes"] == pytest.approx(1400 / 3)
-  assert epoch["bytes_sent"] == pytest.approx((1450 + 50 + 50) / 3)  # every byte
-  assert epoch["compression_ratio"] == pytest.approx(4200 / 150)
+  history = stats.model.history.history
+  assert history["moment_bytes"] == [pytest.approx(1400 / 3)]
+  assert history["bytes_sent"] == [pytest.approx((1450 + 50 + 50) / 3)]  # every byte
+  assert epoch == {"compression_ratio": pytest.approx(4200 / 150)}
   assert stats.totals()["total"]["sent_bytes"] == 1550  # every byte
 
 

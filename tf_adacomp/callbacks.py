@@ -16,15 +16,16 @@ class CompressionStats(keras.callbacks.Callback):
 
   The compression ratio is dense float32 bytes / bytes sent (one replica, the gradient
   or update exchange). By default the progress bar gets one figure, ``compression_ratio``:
-  that of the fit so far (its summed bytes), so that steps that send nothing (with
-  ``local_steps``, all but a round's last) or little do not make it jump. The epoch logs
-  (and so ``History`` and Keras' own TensorBoard callback) get the epoch's
-  ``compression_ratio``, one ``compression_ratio_<kind>`` per variable kind (conv,
-  dense, recurrent, vector), ``bytes_sent`` (the epoch's mean per step, every byte
-  counted) and, with Adam's shared second moment, ``moment_bytes`` (its mean per step of
-  the dense moment averages at steps 1, 2, 4, 8, ..., counted in ``bytes_sent`` but kept
-  out of the ratios, which measure the compressor). With ``log_dir``, the per-step
-  figures go to TensorBoard scalars under ``compression/`` (a step that sent nothing has
+  during an epoch that of the fit so far (its summed bytes), so that steps that send
+  nothing (with ``local_steps``, all but a round's last) or little do not make it jump;
+  at the end of an epoch (Keras prints the epoch's logs there, and the History keeps
+  them) the epoch's. The History (``model.history.history``) also gets, per epoch, one
+  ``compression_ratio_<kind>`` per variable kind (conv, dense, recurrent, vector),
+  ``bytes_sent`` (the mean per step, every byte counted) and, with Adam's shared second
+  moment, ``moment_bytes`` (the mean per step of its dense moment averages at steps 1, 2,
+  4, 8, ..., counted in ``bytes_sent`` but kept out of the ratios, which measure the
+  compressor). With ``log_dir`` every figure also goes to TensorBoard scalars under
+  ``compression/``, per step and per epoch (``epoch_...``; a step that sent nothing has
   no ratio and writes none). ``totals()`` gives the bytes and ratios of the whole
   training run, every byte counted, per kind; ``variable_totals()`` the same per
   variable (per layer weight).
@@ -35,7 +36,8 @@ class CompressionStats(keras.callbacks.Callback):
       cross-device ops.
     log_dir: optional TensorBoard directory for per-step scalars.
     progress_bar: ``"ratio"`` (the default: the one figure above) or ``"all"`` (every
-      per-step figure of the last step on the bar, as the epoch logs have them).
+      figure in Keras' logs: the last step's on the bar, the epoch's at its end, where
+      Keras' own TensorBoard callback also reads them).
 
   Raises:
     ValueError: ``progress_bar`` is neither; (at the start of training) no compressed
@@ -152,9 +154,24 @@ class CompressionStats(keras.callbacks.Callback):
       for entry in sums.values():
         entry["ratio"] = stats.ratio(entry["dense_bytes"], entry["sent_bytes"])
       steps = len(self._epoch)
-      logs.update(self._values(
+      values = self._values(
           sums, sum(sent for _, sent, _ in self._epoch) / steps,
-          sum(m for _, _, m in self._epoch) / steps if self._has_moments else None))
+          sum(m for _, _, m in self._epoch) / steps if self._has_moments else None)
+      if self.progress_bar == "all":
+        logs.update(values)
+        return
+      # Keras prints the epoch's logs at the end of its bar: the one figure there, the
+      # rest straight into the History (which appends the logs after this callback).
+      logs["compression_ratio"] = values.pop("compression_ratio")
+      history = getattr(getattr(self.model, "history", None), "history", None)
+      if isinstance(history, dict):
+        for name, value in values.items():
+          history.setdefault(name, []).append(value)
+      if self._writer is not None:
+        with self._writer.as_default(step=epoch):
+          for name, value in values.items():
+            if not math.isnan(value):
+              tf.summary.scalar(f"compression/epoch_{name}", value)
 
   def on_train_end(self, logs=None):
     if self._writer is not None:

@@ -79,7 +79,7 @@ def _demo(args, extra_flags, quiet) -> int:
   print(f"\nSummaries (JSON), checkpoints and TensorBoard logs: {root}")
   try:
     figure = report.plot_summaries(summaries, os.path.join(root, "demo.png"))
-    print(f"Test accuracy and bytes per step, side by side: {figure}")
+    print(f"Test accuracy and compression ratio, side by side: {figure}")
   except ImportError:  # matplotlib comes with the [examples] extra
     print("(no figure: matplotlib is not installed; pip install 'tf_adacomp[examples]')")
   return 0
