@@ -9,7 +9,8 @@
   (``tf_adacomp.compat.keras_multi_worker``);
   ``TF_CONFIG`` is checked first, and the workers compare their clusters once;
 - ``tf_config(addresses, index)``: the ``TF_CONFIG`` of one worker of a cluster;
-- ``warn_if_training_alone(strategy, owner)``: the ``UnsynchronizedWorkersWarning`` of
+- ``warn_if_training_alone(strategy, owner)`` (``warn_once_if_training_alone`` at an
+  optimizer's first step): the ``UnsynchronizedWorkersWarning`` of
   an optimizer wrapper training where ``TF_CONFIG`` names several workers but its
   strategy spans only this one (each worker would train a model of its own, silently).
 
@@ -43,7 +44,8 @@ from tf_adacomp.cross_device_ops import CompressedAllReduce
 from tf_adacomp.ops import checks
 
 __all__ = ["UnsynchronizedWorkersWarning", "mirrored_strategy", "multi_worker_strategy",
-           "split_logical_devices", "tf_config", "warn_if_training_alone"]
+           "split_logical_devices", "tf_config", "warn_if_training_alone",
+           "warn_once_if_training_alone"]
 
 # Collective key ranges of the MirroredStrategy objects made in this process (see the
 # module doc). TensorFlow's own tests space them the same way
@@ -399,7 +401,7 @@ class UnsynchronizedWorkersWarning(UserWarning):
   """
 
 
-def warn_if_training_alone(strategy, owner: str) -> bool:
+def warn_if_training_alone(strategy, owner: str, stacklevel: int = 2) -> bool:
   """Warns, with ``UnsynchronizedWorkersWarning``, when ``TF_CONFIG`` names several
   workers but ``strategy`` spans this worker only.
 
@@ -416,6 +418,8 @@ def warn_if_training_alone(strategy, owner: str) -> bool:
       with (``tf.distribute.get_strategy()`` in its replica context: the default
       strategy outside any scope).
     owner: the wrapper, as the message names it.
+    stacklevel: as ``warnings.warn``'s, counted from this function's caller (2: the
+      line that called this).
 
   Returns:
     Whether it warned: ``TF_CONFIG`` is valid, names more than one chief or worker
@@ -443,8 +447,8 @@ def warn_if_training_alone(strategy, owner: str) -> bool:
     replicas = strategy.num_replicas_in_sync
     where = (f"a {type(strategy).__name__} of {replicas} replica"
              f"{'s' if replicas != 1 else ''} on this worker alone")
-  # stacklevel 2: the wrapper's line, one place, so that Python's default filter shows
-  # it once per process however many optimizers a job makes.
+  # One line of the wrapper as the place, so that Python's default filter shows it
+  # once per process however many optimizers a job makes.
   warnings.warn(
       f"TF_CONFIG names {workers} workers (this process is its {task['type']} "
       f"{task['index']}), but {owner} is training under {where}: its exchange spans this "
@@ -456,8 +460,26 @@ def warn_if_training_alone(strategy, owner: str) -> bool:
       f"strategy.scope(), and batch the dataset with the global batch size (the per-worker "
       f"batch times {workers}). If each process is meant to train alone, unset TF_CONFIG. "
       f"(warnings.simplefilter(\"error\", tf_adacomp.UnsynchronizedWorkersWarning) "
-      f"makes this an error.)", UnsynchronizedWorkersWarning, stacklevel=2)
+      f"makes this an error.)", UnsynchronizedWorkersWarning, stacklevel=stacklevel)
   return True
+
+
+def warn_once_if_training_alone(optimizer, owner: str) -> None:
+  """``warn_if_training_alone`` for an optimizer wrapper, at its first step only.
+
+  Called from the wrapper's apply, in the replica context its exchange runs in; not from
+  ``build``, which also runs where nothing trains (``keras.saving.load_model`` builds the
+  optimizer to restore it, often outside any strategy, to export the model).
+
+  Args:
+    optimizer: the wrapper (it remembers that it was checked).
+    owner: the wrapper, as the message names it.
+  """
+  if optimizer.__dict__.get("_workers_checked"):
+    return
+  # Through __dict__: the Keras wrappers track what is set as an attribute.
+  optimizer.__dict__["_workers_checked"] = True
+  warn_if_training_alone(tf.distribute.get_strategy(), owner, stacklevel=3)
 
 
 def _spans_workers(strategy) -> bool:

@@ -476,12 +476,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
   def apply(self, grads, trainable_variables=None):
     if tf.distribute.in_cross_replica_context():
       raise ValueError("CompressedOptimizer.apply() must be called in a replica context.")
-    if not self.__dict__.get("_workers_checked"):
-      # At the first step, in the replica context the exchange runs in: not in build,
-      # which also runs where nothing trains (keras.saving.load_model builds the
-      # optimizer to restore it, often outside any strategy, to export the model).
-      self._workers_checked = True
-      distribute.warn_if_training_alone(tf.distribute.get_strategy(), "CompressedOptimizer")
+    distribute.warn_once_if_training_alone(self, "CompressedOptimizer")
     if not self.built:
       with keras.name_scope(self.name, caller=self):
         self.build(trainable_variables)

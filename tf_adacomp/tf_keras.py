@@ -236,12 +236,7 @@ class CompressedOptimizer(tf_keras.optimizers.Optimizer):
     if tf.distribute.in_cross_replica_context():
       raise ValueError("CompressedOptimizer.apply_gradients() must be called in a replica "
                        "context (in model.fit, or inside strategy.run).")
-    if not self.__dict__.get("_workers_checked"):
-      # At the first step, in the replica context the exchange runs in: not in build,
-      # which also runs where nothing trains (restoring a saved optimizer to export it).
-      self._workers_checked = True
-      distribute.warn_if_training_alone(tf.distribute.get_strategy(),
-                                        "tf_adacomp.tf_keras.CompressedOptimizer")
+    distribute.warn_once_if_training_alone(self, "tf_adacomp.tf_keras.CompressedOptimizer")
     pairs = [(g, v) for g, v in grads_and_vars if g is not None]
     if not pairs:
       raise ValueError("No gradients provided for any variable.")
