@@ -81,10 +81,10 @@ def test_totals_restart_with_each_fit_and_skip_steps_without_figures():
   assert math.isclose(stats.totals()["dense"]["ratio"], 200.0)
 
 
-def test_the_progress_bar_gets_one_figure_the_fit_so_far_and_no_nan():
+def test_the_progress_bar_gets_one_figure_the_epoch_so_far_and_no_nan():
   # Local steps: the first steps send nothing; then one round sends.
   stats = tf_adacomp.CompressionStats(source=_Source(
-      [_step(0, 0), _step(0, 0), _step(20, 5), _step(0, 0), _step(40, 10)]))
+      [_step(0, 0), _step(0, 0), _step(20, 5), _step(0, 0), _step(40, 10), _step(0, 0)]))
   stats.set_model(_Model())
   stats.on_train_begin()
   bars = []
@@ -94,14 +94,18 @@ def test_the_progress_bar_gets_one_figure_the_fit_so_far_and_no_nan():
     bars.append(logs)
   assert bars[0] == bars[1] == {"loss": 1.0}  # nothing sent yet: no figure, not NaN
   assert bars[2] == {"loss": 1.0, "compression_ratio": pytest.approx(3 * 1400 / 25)}
-  assert bars[3]["compression_ratio"] == pytest.approx(4 * 1400 / 25)  # the fit so far
+  assert bars[3]["compression_ratio"] == pytest.approx(4 * 1400 / 25)  # the epoch so far
   assert bars[4]["compression_ratio"] == pytest.approx(5 * 1400 / 75)
   epoch = {"loss": 1.0}
   stats.on_epoch_end(0, epoch)  # Keras prints these at the bar's end: one figure
-  assert epoch == {"loss": 1.0, "compression_ratio": pytest.approx(5 * 1400 / 75)}
+  assert epoch == {"loss": 1.0, "compression_ratio": bars[4]["compression_ratio"]}
   assert set(stats.model.history.history) == {  # the rest goes to the History
       "bytes_sent", "compression_ratio_conv", "compression_ratio_dense"}
   assert stats.model.history.history["bytes_sent"] == [pytest.approx(75 / 5)]
+  stats.on_epoch_begin(1)  # a new epoch's bar starts from its own first step
+  logs = {}
+  stats.on_train_batch_end(0, logs)
+  assert logs == {}
 
 
 class _AdamSource(_Source):

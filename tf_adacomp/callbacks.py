@@ -16,10 +16,9 @@ class CompressionStats(keras.callbacks.Callback):
 
   The compression ratio is dense float32 bytes / bytes sent (one replica, the gradient
   or update exchange). By default the progress bar gets one figure, ``compression_ratio``:
-  during an epoch that of the fit so far (its summed bytes), so that steps that send
-  nothing (with ``local_steps``, all but a round's last) or little do not make it jump;
-  at the end of an epoch (Keras prints the epoch's logs there, and the History keeps
-  them) the epoch's. The History (``model.history.history``) also gets, per epoch, one
+  that of the epoch so far (its summed bytes), so that steps that send nothing (with
+  ``local_steps``, all but a round's last) or little do not make it jump, ending with the
+  epoch's, which Keras prints at the bar's end and the History keeps. The History (``model.history.history``) also gets, per epoch, one
   ``compression_ratio_<kind>`` per variable kind (conv, dense, recurrent, vector),
   ``bytes_sent`` (the mean per step, every byte counted) and, with Adam's shared second
   moment, ``moment_bytes`` (the mean per step of its dense moment averages at steps 1, 2,
@@ -56,7 +55,7 @@ class CompressionStats(keras.callbacks.Callback):
     self.progress_bar = progress_bar
     self._writer = None
     self._epoch = []
-    self._fit = {"dense_bytes": 0.0, "sent_bytes": 0.0}  # the fit so far, moments apart
+    self._so_far = {"dense_bytes": 0.0, "sent_bytes": 0.0}  # the epoch's, moments apart
     self._totals = {}
     self._variables = {}
     self._iterations = None  # the source's step count at the last batch end
@@ -79,13 +78,13 @@ class CompressionStats(keras.callbacks.Callback):
       self.source = self._find_source()
     self._totals = {}
     self._variables = {}
-    self._fit = {"dense_bytes": 0.0, "sent_bytes": 0.0}
     self._iterations = self._source_iterations()
     if self.log_dir and self._writer is None:
       self._writer = tf.summary.create_file_writer(self.log_dir)
 
   def on_epoch_begin(self, epoch, logs=None):
     self._epoch = []
+    self._so_far = {"dense_bytes": 0.0, "sent_bytes": 0.0}
 
   def _source_iterations(self):
     """The source's optimizer steps, if it counts them (None: it does not)."""
@@ -128,16 +127,16 @@ class CompressionStats(keras.callbacks.Callback):
                                  in zip(variable_bytes, moments))
     moment_bytes = float(sum(moments))
     self._epoch.append((compressed, summary["total"]["sent_bytes"], moment_bytes))
-    self._fit["dense_bytes"] += compressed["total"]["dense_bytes"]
-    self._fit["sent_bytes"] += compressed["total"]["sent_bytes"]
+    self._so_far["dense_bytes"] += compressed["total"]["dense_bytes"]
+    self._so_far["sent_bytes"] += compressed["total"]["sent_bytes"]
     values = self._values(compressed, summary["total"]["sent_bytes"],
                           moment_bytes if self._has_moments else None)
     if logs is not None:
       if self.progress_bar == "all":
         logs.update(values)
-      elif self._fit["sent_bytes"]:  # nothing sent yet: no figure rather than NaN
-        logs["compression_ratio"] = stats.ratio(self._fit["dense_bytes"],
-                                                self._fit["sent_bytes"])
+      elif self._so_far["sent_bytes"]:  # nothing sent yet: no figure rather than NaN
+        logs["compression_ratio"] = stats.ratio(self._so_far["dense_bytes"],
+                                                self._so_far["sent_bytes"])
     if self._writer is not None:
       step = int(self.model.optimizer.iterations.numpy())
       with self._writer.as_default(step=step):
