@@ -67,6 +67,7 @@ import tensorflow as tf
 from tf_adacomp import _keywords
 from tf_adacomp import compile_log
 from tf_adacomp import distribute
+from tf_adacomp import ema
 from tf_adacomp import exchange as exchange_lib
 from tf_adacomp import hierarchy as hierarchy_lib
 from tf_adacomp import local_steps as local_steps_lib
@@ -195,9 +196,11 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       moment, the replicas' mean, averaged (a dense bfloat16 all-reduce, counted in the
       bytes) at steps 1, 2, 4, 8, ...; the step is then linear in the first moment, and
       without compression every replica takes Adam's step on the mean gradient with that
-      second moment (1-bit Adam's and 0/1 Adam's observation). Each step is clipped to
-      Adam's own bound on a step, which binds only where the shared moment is older
-      than the element (one first seen after the last average). "global": as "shared", with the second moment of the mean gradient
+      second moment (1-bit Adam's and 0/1 Adam's observation). Between averages each
+      replica's step is clipped to Adam's own bound on a step (the shared moment is
+      then older than the replica's, and an element first seen since the last average
+      has none); at an average, and at every step with one replica, it is Adam's step
+      unclipped. "global": as "shared", with the second moment of the mean gradient
       estimated from the replicas' own (a replica's smaller batch has R times its
       noise); it also keeps a moving average of each replica's squared first moment. An
       Embedding's sparse gradient adds its slices' squares, as Keras' Adam does. The
@@ -318,6 +321,12 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     local_steps = local_steps_lib.check_local_steps(local_steps)
     outer_optimizer = local_steps_lib.resolve_outer_optimizer(outer_optimizer)
     _check_rounds(local_steps, outer_optimizer, exchange, reduction, momentum_masking)
+    if local_steps > 1 and getattr(inner_optimizer, "use_ema", False):
+      # Within a round each replica's weights are its own: there is no one average of
+      # them to keep, as Keras' EMA would.
+      raise ValueError("`local_steps` > 1 does not take an inner optimizer with "
+                       "use_ema=True (the replicas' weights differ within a round). "
+                       f"Received: local_steps={local_steps!r}, use_ema=True")
     second_moment = _resolve_second_moment(second_moment, exchange, reduction,
                                            inner_optimizer, momentum_masking, local_steps)
     second_moment_interval = _check_second_moment_interval(second_moment_interval,
@@ -419,6 +428,9 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer.build(var_list)
     else:
       self.inner_optimizer.build(var_list)
+    if self.inner_optimizer.use_ema:
+      # Its average follows the exchanged weights, not each replica's own (tf_adacomp.ema).
+      ema.defer(self.inner_optimizer)
     # Keras' TensorFlow optimizers all-reduce gradients in `apply`. The wrapped one only
     # ever receives gradients already summed over replicas, so that second, dense
     # all-reduce is switched off (an instance attribute: replica threads share it).
@@ -493,8 +505,10 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     if self.second_moment in ("shared", "global"):
       self._apply_shared_moment(grads, trainable_variables, indices, plans, states, dense)
       return
+    before = tf.convert_to_tensor(self.iterations)
     if self.exchange == "updates":
       self._apply_updates(grads, trainable_variables, indices, plans, states, dense)
+      self._update_ema(before)
       return
     if self.local_clipnorm is not None:
       # Each replica's own mean gradient is grads * replicas: clip it to local_clipnorm.
@@ -511,6 +525,14 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     self._record_bytes(indices, exchanged.nbytes)
     self._on_every_replica_if(
         finite, lambda summed: self._apply_inner(summed, trainable_variables), sums)
+    self._update_ema(before)
+
+  def _update_ema(self, before):
+    """The inner optimizer's EMA of the exchanged weights (``tf_adacomp.ema``), if it has
+    one and this step was taken (``iterations`` moved on from ``before``)."""
+    if self.inner_optimizer.use_ema:
+      ema.update_after_exchange(self.inner_optimizer, tf.not_equal(self.iterations, before),
+                                self._assign_per_replica)
 
   def _apply_updates(self, grads, variables, indices, plans, states, dense):
     """The update exchange: local optimizer steps, then the mean (``reduction="sum"``)
@@ -715,19 +737,25 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     divisors = {}
     alpha = shared_moment.step_size(learning_rate, t, synced_at, inner.beta_1, inner.beta_2)
     bound = shared_moment.step_bound(alpha, inner.beta_1, inner.beta_2)
+    # Each replica's step is bounded only where the shared moment is older than this
+    # step: at an average (every step with one replica) it is Adam's step exactly.
+    stale = tf.not_equal(synced_at, t)
     for k, m, v in zip(present, new["m"], after["shared"]):
       update = -tf.cast(alpha, m.dtype) * m
       divisors[k] = shared_moment.divisor(v, inner.epsilon)
       if self.precondition == "before":
-        update = shared_moment.clip(update / divisors[k], bound)
+        update = update / divisors[k]
+      # "after" bounds the same quotient before it is sent (update / divisor, so the
+      # two are equal without compression): the mean of bounded steps is bounded.
+      update = tf.where(stale, shared_moment.clip(
+          update, bound if self.precondition == "before" else bound * divisors[k]), update)
       deltas[k] = tf.where(stepped, update, tf.zeros_like(update))
     exchanged = self._exchange.replica_exchange(plans, deltas, states, dense,
                                                 self.hierarchy)
     combined = [None if s is None else self._exchange.reduction.to_mean(s, replicas)
                 for s in exchanged.sums]
-    if self.precondition == "after":  # the same on every replica: exact
-      combined = [c if c is None else shared_moment.clip(c / divisors[k], bound)
-                  for k, c in enumerate(combined)]
+    if self.precondition == "after":  # the same divisor on every replica: exact
+      combined = [c if c is None else c / divisors[k] for k, c in enumerate(combined)]
     finite = tf.logical_and(stepped, fused.all_finite(combined))
     self._keep_states(indices, states, exchanged.states, finite)
     # Every byte counts: a sync step also sends the averaged moments, dense bfloat16
@@ -810,7 +838,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     """The inner optimizer's step on ``grads``: summed (or Adasum-combined) over the
     replicas, or with the update exchange this replica's own (each replica steps its own
     copy)."""
-    self.inner_optimizer.apply(grads, trainable_variables)
+    with ema.deferred():  # its EMA follows the exchange (_update_ema)
+      self.inner_optimizer.apply(grads, trainable_variables)
     return tf.constant(True)
 
   # --- Forwarded to the inner optimizer -------------------------------------------
@@ -928,7 +957,14 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     gathered = [i for i, plan in enumerate(self.plans) if not plan.summable]
     if senders < 2 or not gathered or int(self.iterations.numpy()) <= self.start_step:
       return None
-    sent = self.bytes_sent.numpy()
+    # The dense average of Adam's moments at steps 1, 2, 4, ... is an all-reduce, not
+    # part of the all-gather: only the compressed payload counts. (Read twice over if a
+    # step ended in between: the thread of _watch_scaling reads during training.)
+    for _ in range(3):
+      step = int(self.iterations.numpy())
+      sent = self.bytes_sent.numpy() - np.asarray(self.moment_bytes() or 0, np.int64)
+      if int(self.iterations.numpy()) == step:
+        break
     payload = int(sum(sent[i] for i in gathered))
     if payload == 0:
       return None

@@ -15,7 +15,8 @@ Per replica ``r`` and step ``t`` (1-based), with ``g_r`` its own mean gradient:
     v_r <- v_r + (1 - beta_2) (g_r^2 - v_r)         # its own second moment
     w_r <- w_r + (1 - beta_2) (m_r^2 / (1 - beta_1^t)^2 - w_r)   # "global" only
     at an average: v <- f(mean of v_r, mean of w_r); v_r, w_r <- their means; s <- t
-    u_r = clip(-lr sqrt(1 - beta_2^s) / (1 - beta_1^t) * m_r / (sqrt(v) + epsilon))
+    u_r = -lr sqrt(1 - beta_2^s) / (1 - beta_1^t) * m_r / (sqrt(v) + epsilon)
+          (clipped to step_bound when s < t)
 
 ``s`` is the step of the last average: Keras' bias correction, with the shared moment's
 age. ``f`` is the mean itself (``second_moment="shared"``), or the estimate of the mean
@@ -30,13 +31,19 @@ replica).
 
 Averages (one dense all-reduce of ``v_r``, and of ``w_r`` for "global", in bfloat16)
 happen at steps 1, 2, 4, 8, ... (the interval doubles, as 0/1 Adam's variance updates;
-with ``max_interval=k``, those below ``k`` and then every ``k`` steps). Between them the
-shared ``v`` is older than the replicas' own, and an element first seen after the last
-average (an Embedding row of a rare token) has none: ``u`` is clipped to Adam's own
-bound on a step, ``step_bound`` (with ``precondition="after"`` after the exchange, on
-the mean, which is the same on every replica). Without compression the result is, on
-every replica, Adam's step on the mean gradient with the shared ``v``, where the bound
-does not bind.
+with ``max_interval=k``, those below ``k`` and then every ``k`` steps). At a step that
+averaged (``s = t``; every step with one replica) each replica's step is Adam's with the
+fresh shared ``v``, unclipped: with one replica that is Keras' Adam exactly, an
+Embedding's repeated tokens included (their summed gradient in ``m`` against the sum of
+their squares in ``v`` can exceed the bound below). Between averages the shared ``v`` is
+older than the replicas' own, and an element first seen after the last average (an
+Embedding row of a rare token) has none: each replica's ``u_r`` is then clipped to
+Adam's own bound on a step, ``step_bound``. With ``precondition="after"`` the same
+quotient is bounded before it is sent (``-alpha m_r`` to ``step_bound * (sqrt(v) +
+epsilon)``), and the decoded mean is divided on arrival, so the two preconditions agree
+without compression (up to float rounding). Without compression the result is, on every
+replica, Adam's step on the mean gradient with the shared ``v``, where the bound does not
+bind.
 
 This module holds the mathematics and the one place where Adam's slots are read.
 """
@@ -191,10 +198,12 @@ def divisor(shared_v, epsilon):
 
 def step(m, shared_v, learning_rate, t, synced_at, beta_1, beta_2, epsilon):
   """Adam's update (to add to the weights): ``-step_size(...) * m / divisor(...)``,
-  clipped to ``step_bound``."""
+  clipped to ``step_bound`` where the shared moment is older than the step
+  (``synced_at < t``)."""
   alpha = step_size(learning_rate, t, synced_at, beta_1, beta_2)
   update = -tf.cast(alpha, m.dtype) * m / divisor(shared_v, epsilon)
-  return clip(update, step_bound(alpha, beta_1, beta_2))
+  stale = tf.not_equal(tf.cast(t, tf.int64), tf.cast(synced_at, tf.int64))
+  return tf.where(stale, clip(update, step_bound(alpha, beta_1, beta_2)), update)
 
 
 def decayed(optimizer, variable, value, learning_rate):
