@@ -111,6 +111,7 @@ def test_mirrored_strategy_without_compressor_is_plain():
   assert strategy.num_replicas_in_sync == 4
   assert distribute.mirrored_strategy(devices=tuple(_cpus()[:2])).num_replicas_in_sync == 2
   assert tf.distribute.MirroredStrategy._collective_key_base == 0  # the class is untouched
+  assert tf.compat.v1.distribute.MirroredStrategy._collective_key_base == 0  # and the v1 one
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ consecutive devices share a worker (2 workers x 2 devices, or 1 x 4). The same o
 processes x 2 devices over gRPC is in tests/test_hierarchy_multi_worker.py.
 """
 
+import logging
 import warnings
 
 import keras
@@ -108,6 +109,72 @@ def test_devices_per_worker_that_does_not_divide_the_replicas_is_refused_when_bu
     optimizer = tf_adacomp.CompressedOptimizer(keras.optimizers.SGD(0.1), devices_per_worker=3)
     with pytest.raises(ValueError, match=r"devices_per_worker=3"):
       optimizer.build([keras.Variable(np.zeros([3], np.float32))])
+
+
+def _layout_warnings(caplog):
+  return [r.getMessage() for r in caplog.records
+          if r.name == "tf_adacomp" and "devices_per_worker" in r.getMessage()]
+
+
+def test_a_saved_devices_per_worker_that_does_not_fit_falls_back_with_a_warning(caplog):
+  # What from_config passes (a .keras file saved on 2 workers x 2 devices, restored onto
+  # 3 or 1 replicas): the layout it would be without devices_per_worker, and one line.
+  saved = hierarchy_lib.saved_devices_per_worker(2)
+  assert saved == 2 and isinstance(saved, int)
+  assert hierarchy_lib.check_devices_per_worker(saved) is saved  # stays marked
+  assert hierarchy_lib.saved_devices_per_worker(None) is None
+  for replicas, hierarchical, expected, used in (
+      (3, None, None, "the flat exchange"), (3, True, (1, 3), "one worker of 3 devices"),
+      (1, None, None, "the flat exchange"), (1, True, None, "the flat exchange")):
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tf_adacomp"):
+      found = hierarchy_lib.resolve(_strategy(replicas), hierarchical, saved)
+    assert (found if found is None else (found.workers, found.devices_per_worker)) == expected
+    lines = _layout_warnings(caplog)
+    assert len(lines) == 1, lines
+    assert (f"saved with devices_per_worker=2, which does not divide this strategy's "
+            f"{replicas} replica") in lines[0] and used in lines[0], lines
+  # hierarchical=False: the flat exchange either way, nothing to say.
+  caplog.clear()
+  with caplog.at_level(logging.WARNING, logger="tf_adacomp"):
+    assert hierarchy_lib.resolve(_strategy(3), False, saved) is None
+  assert not _layout_warnings(caplog)
+  # One that fits is used, silently; the user's own that does not fit is still refused.
+  caplog.clear()
+  with caplog.at_level(logging.WARNING, logger="tf_adacomp"):
+    found = hierarchy_lib.resolve(_strategy(4), None, saved)
+  assert (found.workers, found.devices_per_worker) == (2, 2) and not _layout_warnings(caplog)
+  with pytest.raises(ValueError, match=r"divide the strategy's 3 replicas"):
+    hierarchy_lib.resolve(_strategy(3), None, 2)
+
+
+class _MultiWorkerOf2Devices(tf.distribute.MultiWorkerMirroredStrategy):
+  """What ``resolve`` reads of a MultiWorkerMirroredStrategy of 2 workers x 2 devices
+  (a real one would configure this process' collectives for a cluster)."""
+
+  def __init__(self):  # pylint: disable=super-init-not-called
+    pass
+
+  num_replicas_in_sync = 4
+  extended = type("Extended", (), {"worker_devices": ("/cpu:0", "/cpu:1")})()
+
+
+def test_a_saved_devices_per_worker_under_multi_worker_becomes_the_strategys_own(caplog):
+  strategy = _MultiWorkerOf2Devices()
+  with caplog.at_level(logging.WARNING, logger="tf_adacomp"):
+    found = hierarchy_lib.resolve(strategy, None, hierarchy_lib.saved_devices_per_worker(4))
+  assert (found.workers, found.devices_per_worker) == (2, 2)
+  lines = _layout_warnings(caplog)
+  assert len(lines) == 1 and "devices_per_worker=4" in lines[0], lines
+  assert "its 2 devices per worker" in lines[0], lines
+  with pytest.raises(ValueError, match=r"devices per worker \(2.*devices_per_worker=4"):
+    hierarchy_lib.resolve(strategy, None, 4)
+
+
+@pytest.mark.parametrize("value, error", [(0, ValueError), (2.0, TypeError), (True, TypeError)])
+def test_a_bad_saved_devices_per_worker_is_refused_by_name(value, error):
+  with pytest.raises(error, match=rf"`devices_per_worker`.*Received: devices_per_worker={value}"):
+    hierarchy_lib.saved_devices_per_worker(value)
 
 
 def test_group_keys_stay_clear_of_every_strategys_own():

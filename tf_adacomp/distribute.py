@@ -18,14 +18,17 @@ Under ``MultiWorkerMirroredStrategy`` the cross-device ops cannot be replaced, s
 compression there goes through ``tf_adacomp.CompressedOptimizer`` instead.
 
 Importing this module (``import tf_adacomp`` does) gives every ``tf.distribute.MirroredStrategy``
-made afterwards, the user's own included, collective keys of its own. TensorFlow numbers
+and ``tf.compat.v1.distribute.MirroredStrategy`` made afterwards, the user's own included,
+collective keys of its own. TensorFlow numbers
 every ``MirroredStrategy``'s collectives from the same keys (group 1, instance 100), and
 its runtime keeps the shape and group size it first saw under a key for the whole
 process: without this, a second strategy in one process (a notebook that trains a dense
 model, then a compressed one; a checkpoint of 4 replicas restored onto 2) fails with
 "Shape mismatch in the collective instance 100" or "joining a group with size 2, but
 that group has size 4 (group_key=1)", and aborts every later collective of the process.
-(Through ``MirroredStrategy._collective_key_base``: see ``compat.internals``.)
+(Through ``MirroredStrategy._collective_key_base``: see ``compat.internals``.) A
+``MultiWorkerMirroredStrategy`` keeps TensorFlow's keys, which start below every range
+given here: its workers must agree on them, and a process makes one such strategy.
 """
 
 import hashlib
@@ -47,8 +50,8 @@ __all__ = ["UnsynchronizedWorkersWarning", "mirrored_strategy", "multi_worker_st
            "split_logical_devices", "tf_config", "warn_if_training_alone",
            "warn_once_if_training_alone"]
 
-# Collective key ranges of the MirroredStrategy objects made in this process (see the
-# module doc). TensorFlow's own tests space them the same way
+# Collective key ranges of the MirroredStrategy objects (v2 and v1, one counter) made in
+# this process (see the module doc). TensorFlow's own tests space them the same way
 # (tensorflow/python/distribute/strategy_combinations.py); group keys are int32, so the
 # ranges wrap around after 20000 strategies.
 _COLLECTIVE_KEY_STEP = 100_000

@@ -19,6 +19,25 @@ fills with an equal share of the saved total, are folded into the next local sum
 ``Exchange``). The price is that compression is not split across a worker's devices:
 on a GPU it runs near memory bandwidth, a small cost beside the network it saves.
 
+``devices_per_worker`` describes the machine a job runs on, not the model. A value read
+back from a saved config (``CompressedOptimizer.from_config``, so ``keras.models.load_model``
+too, marks it with ``saved_devices_per_worker``) that does not fit the strategy the
+optimizer is restored under is not an error: ``resolve`` then uses the layout it would
+without ``devices_per_worker`` (the flat exchange under a ``MirroredStrategy``, unless
+``hierarchical=True``: one worker of all its devices; a ``MultiWorkerMirroredStrategy``'s
+own devices per worker) and logs one warning saying so. The residues need nothing: a
+checkpoint holds their sum over the replicas, which a restore splits evenly over the
+replicas there are (no residue is lost: a worker's, on its first device, is part of the
+sum). A value the user gives (an int) is checked as before. To choose the layout of a
+restored optimizer: set ``optimizer.devices_per_worker`` (and ``hierarchical``) on the
+optimizer ``from_config`` returns, before it is built (a plain int is checked again); or,
+since ``load_model`` builds the optimizer, load with ``compile=False``, compile with
+``CompressedOptimizer(..., devices_per_worker=n)``, build the optimizer
+(``model.optimizer.build(model.trainable_variables)``) and ``model.load_weights(path)``
+(a ``.keras`` file holds the optimizer's state too). A restored optimizer keeps the saved
+value in ``devices_per_worker`` (and in a later ``get_config``: used again wherever it
+fits); ``optimizer.hierarchy`` is what it uses.
+
 Replica ``r`` of a strategy with ``devices_per_worker`` devices per worker is device
 ``r % devices_per_worker`` of worker ``r // devices_per_worker``: the order of
 ``MultiWorkerMirroredStrategy``'s replica ids (worker by worker, each worker's
@@ -39,6 +58,7 @@ from typing import List, NamedTuple, Optional, Sequence
 
 import tensorflow as tf
 
+from tf_adacomp import log
 from tf_adacomp.ops import checks
 
 # Group keys of their own. TensorFlow's strategies count theirs up from 1, and
@@ -232,6 +252,37 @@ class Hierarchy:
     return handle
 
 
+class SavedDevicesPerWorker(int):
+  """A ``devices_per_worker`` read back from a saved config: an int (it compares, prints
+  and serializes as one) that ``resolve`` fits to the strategy the optimizer is restored
+  under, rather than refusing it (``saved_devices_per_worker``)."""
+
+  __slots__ = ()
+
+
+def saved_devices_per_worker(devices_per_worker) -> Optional[int]:
+  """``devices_per_worker`` of a saved config, marked as the saved machine's layout.
+
+  ``from_config`` passes it to the optimizer instead of the plain value: where it does not
+  fit the strategy the optimizer is built under (another number of devices), ``resolve``
+  falls back to the layout it would use without ``devices_per_worker`` and logs a
+  warning, rather than raising.
+
+  Args:
+    devices_per_worker: the config's value: None or an int >= 1.
+
+  Returns:
+    None, or a ``SavedDevicesPerWorker`` of the same value.
+
+  Raises:
+    TypeError: not None and not an int (a bool included), named in the message.
+    ValueError: an int < 1, named in the message.
+  """
+  if devices_per_worker is None:
+    return None
+  return SavedDevicesPerWorker(checks.typed_int(devices_per_worker, "devices_per_worker", 1))
+
+
 def resolve(strategy, hierarchical: Optional[bool],
             devices_per_worker: Optional[int]) -> Optional[Hierarchy]:
   """The ``Hierarchy`` an exchange under ``strategy`` uses, or None for the flat exchange.
@@ -244,27 +295,43 @@ def resolve(strategy, hierarchical: Optional[bool],
       ``MultiWorkerMirroredStrategy`` it is the strategy's ``len(extended.
       worker_devices)`` (and a different value is an error); under a ``MirroredStrategy``
       None means one host (all its devices), hierarchical only when ``hierarchical`` is
-      True.
+      True. A ``SavedDevicesPerWorker`` (from a saved config) that does not fit is
+      replaced by None, with a warning (logged unless ``hierarchical`` is False, where
+      it changes nothing), instead of raising.
 
   Returns:
     A ``Hierarchy``, or None where every worker has one device or ``hierarchical`` is
     False.
 
   Raises:
-    ValueError: ``devices_per_worker`` that does not divide the replicas or contradicts
-      a multi-worker strategy.
+    ValueError: ``devices_per_worker`` (not one from a saved config) that does not divide
+      the replicas or contradicts a multi-worker strategy.
   """
   replicas = strategy.num_replicas_in_sync
   multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+  saved = isinstance(devices_per_worker, SavedDevicesPerWorker)
   if multi_worker:
     own = len(strategy.extended.worker_devices)
     if devices_per_worker is not None and devices_per_worker != own:
-      raise ValueError(f"`devices_per_worker` must be the strategy's devices per worker "
-                       f"({own}: {list(strategy.extended.worker_devices)}) under "
-                       f"MultiWorkerMirroredStrategy. Received: "
-                       f"devices_per_worker={devices_per_worker}")
+      if not saved:
+        raise ValueError(f"`devices_per_worker` must be the strategy's devices per worker "
+                         f"({own}: {list(strategy.extended.worker_devices)}) under "
+                         f"MultiWorkerMirroredStrategy. Received: "
+                         f"devices_per_worker={devices_per_worker}")
+      _warn_saved_layout_does_not_fit(
+          devices_per_worker, hierarchical,
+          f"is not this MultiWorkerMirroredStrategy's {own} devices per worker",
+          f"its {own} devices per worker" if own > 1
+          else "the flat exchange (its 1 device per worker)")
     devices_per_worker = own
-  elif devices_per_worker is None:
+  elif devices_per_worker is not None and replicas % devices_per_worker and saved:
+    _warn_saved_layout_does_not_fit(
+        devices_per_worker, hierarchical,
+        f"does not divide this strategy's {replicas} replica{'s' * (replicas != 1)}",
+        f"one worker of {replicas} devices" if hierarchical and replicas > 1
+        else "the flat exchange (no hierarchy)")
+    devices_per_worker = None
+  if devices_per_worker is None:
     devices_per_worker = replicas if hierarchical else 1
   if replicas % devices_per_worker:
     raise ValueError(f"`devices_per_worker` must divide the strategy's {replicas} replicas. "
@@ -272,6 +339,20 @@ def resolve(strategy, hierarchical: Optional[bool],
   if hierarchical is False or devices_per_worker == 1:
     return None
   return Hierarchy(replicas // devices_per_worker, devices_per_worker)
+
+
+def _warn_saved_layout_does_not_fit(devices_per_worker: int, hierarchical: Optional[bool],
+                                    why: str, used: str) -> None:
+  """One line: the saved layout, why it does not fit, what is used, how to choose."""
+  if hierarchical is False:
+    return  # the flat exchange either way: nothing changes
+  log.warning(
+      "The optimizer was saved with devices_per_worker=%d, which %s: it uses %s here. To "
+      "choose the layout, set `devices_per_worker` (and `hierarchical`) on the optimizer "
+      "before it is built, or load the model with compile=False, compile it with "
+      "CompressedOptimizer(..., devices_per_worker=n), build the optimizer and "
+      "model.load_weights(path) (tf_adacomp.hierarchy's docs).", int(devices_per_worker),
+      why, used)
 
 
 def check_hierarchical(hierarchical) -> Optional[bool]:
@@ -289,9 +370,17 @@ def check_hierarchical(hierarchical) -> Optional[bool]:
 def check_devices_per_worker(devices_per_worker) -> Optional[int]:
   """``devices_per_worker`` checked: None or an int >= 1.
 
+  Returns:
+    None, or the int (a ``SavedDevicesPerWorker`` as it is: ``resolve`` must still tell
+    that it came from a saved config).
+
   Raises:
-    ValueError: anything else, named in the message.
+    TypeError: not None and not an int (a bool included), named in the message.
+    ValueError: an int < 1, named in the message.
   """
   if devices_per_worker is None:
     return None
+  if isinstance(devices_per_worker, SavedDevicesPerWorker):
+    checks.typed_int(devices_per_worker, "devices_per_worker", 1)
+    return devices_per_worker
   return checks.typed_int(devices_per_worker, "devices_per_worker", 1)

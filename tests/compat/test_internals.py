@@ -80,6 +80,30 @@ def test_own_collective_keys_per_strategy_gives_each_strategy_its_own_group_keys
                    "read on the class, TensorFlow's base")
 
 
+def test_own_collective_keys_per_strategy_covers_the_v1_mirrored_strategy():
+  name = "`MirroredStrategyV1._collective_key_base` (tf.compat.v1.distribute.MirroredStrategy)"
+  user = "internals.own_collective_keys_per_strategy (tf_adacomp.distribute)"
+  with canaries.watching(name, user):
+    mirrored_strategy = _module("tensorflow.python.distribute.mirrored_strategy", user)
+    cls = tf.compat.v1.distribute.MirroredStrategy
+    # A class of its own (were it a subclass, the v2 descriptor would already cover it):
+    # TensorFlow's own attribute, which the descriptor replaced.
+    canaries.require(cls is mirrored_strategy.MirroredStrategyV1
+                     and not issubclass(cls, tf.distribute.MirroredStrategy)
+                     and "_collective_key_base" in vars(cls), name, user,
+                     f"expected MirroredStrategyV1, no MirroredStrategy subclass, with its "
+                     f"own `_collective_key_base`; got {cls!r} (MRO {cls.__mro__})")
+    internals.own_collective_keys_per_strategy(lambda: 0)  # idempotent
+    first, second = cls(CPUS), cls(CPUS[:1])
+    keys = [s.extended._collective_keys.get_group_key(s.extended.worker_devices)  # pylint: disable=protected-access
+            for s in (first, second)]
+  canaries.require(keys[0] != keys[1] and min(keys) > 1, name, user,
+                   f"read by MirroredExtended.__init__ as the first group key: two v1 "
+                   f"strategies got group keys {keys}")
+  canaries.require(cls._collective_key_base == 0, name, user,  # pylint: disable=protected-access
+                   "read on the class, TensorFlow's base")
+
+
 def test_flatten_layers_gives_every_nested_layer():
   name, user = "`Layer._flatten_layers`", "internals.flatten_layers (resist.model)"
   inner = keras.Sequential([keras.layers.Dense(2, name="nested_dense")], name="inner")

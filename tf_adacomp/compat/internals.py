@@ -13,12 +13,18 @@ Accessors
   ``CrossDeviceOps`` a ``MirroredStrategy`` reduces with (TensorFlow has no public
   getter). Used by ``callbacks.CompressionStats`` (to find a ``CompressedAllReduce``)
   and ``CompressedAllReduce.of`` (the one to add to a checkpoint).
-- ``own_collective_keys_per_strategy(allocate)``: ``MirroredStrategy._collective_key_base``,
-  which ``MirroredExtended.__init__`` reads as the start of the strategy's collective keys
-  (0 for every instance in TensorFlow), replaced on the class by a descriptor that gives
+- ``own_collective_keys_per_strategy(allocate)``: ``MirroredStrategy._collective_key_base``
+  and ``MirroredStrategyV1._collective_key_base`` (``tf.compat.v1.distribute.MirroredStrategy``,
+  a class of its own, not a subclass, with its own copy of the attribute), which
+  ``MirroredExtended.__init__`` reads as the start of the strategy's collective keys (0
+  for every instance in TensorFlow), replaced on each class by a descriptor that gives
   each instance a base of its own from ``allocate()``. Used by ``tf_adacomp.distribute``
-  when it is imported, so that every ``MirroredStrategy`` made after that (the user's own
-  included) numbers its collectives from a key range of its own.
+  when it is imported, so that every ``MirroredStrategy`` of either API made after that
+  (the user's own included) numbers its collectives from a key range of its own.
+  ``MultiWorkerMirroredStrategy`` (and its v1 class) keeps TensorFlow's base 0: across
+  workers its keys must agree, which a per-process counter cannot promise, and no
+  ``MirroredStrategy`` range starts at 0. The other strategies (``OneDeviceStrategy``,
+  ``CentralStorageStrategy``, ``ParameterServerStrategy``) make no collective keys.
 - ``flatten_layers(model)``: ``keras.Layer._flatten_layers(include_self, recursive)``,
   every nested layer, not only ``model.layers``. Used by ``resist.model.partitionable_blocks``.
 - ``in_multi_worker_mode(strategy)``: ``strategy.extended._in_multi_worker_mode()`` of
@@ -189,7 +195,7 @@ def multi_worker_local_devices(device_type: str, count: int):
 
 
 class _CollectiveKeyBasePerInstance:
-  """``MirroredStrategy._collective_key_base`` as a descriptor: a base per instance.
+  """``MirroredStrategy._collective_key_base`` (v2 or v1) as a descriptor: a base per instance.
 
   Read on an instance (by ``MirroredExtended.__init__``), it gives the base that instance
   was given or allocates one; read on the class, TensorFlow's 0. Assigning on an instance
@@ -213,8 +219,20 @@ class _CollectiveKeyBasePerInstance:
     vars(strategy)[self._SLOT] = base
 
 
+def _mirrored_strategy_classes() -> tuple:
+  """The classes whose instances ``own_collective_keys_per_strategy`` gives keys of their own.
+
+  Returns:
+    ``(tf.distribute.MirroredStrategy, tf.compat.v1.distribute.MirroredStrategy)``: two
+    unrelated classes (the v1 one is no subclass), each with its own class attribute
+    ``_collective_key_base``, which ``MirroredExtended.__init__`` reads from the instance.
+  """
+  return (tf.distribute.MirroredStrategy, tf.compat.v1.distribute.MirroredStrategy)
+
+
 def own_collective_keys_per_strategy(allocate: Callable[[], int]) -> None:
-  """Gives every ``tf.distribute.MirroredStrategy`` made from now on its own collective keys.
+  """Gives every ``MirroredStrategy`` made from now on (``tf.distribute`` and
+  ``tf.compat.v1.distribute``) its own collective keys.
 
   TensorFlow starts every ``MirroredStrategy``'s group keys at 1 and instance keys at 100,
   and the runtime keeps the shape and group size it first saw under a key for the whole
@@ -222,16 +240,19 @@ def own_collective_keys_per_strategy(allocate: Callable[[], int]) -> None:
   replicas) fails with "Shape mismatch in the collective instance 100" or "joining a
   group with size 2, but that group has size 4", and every later collective of the
   process is aborted. With this, each instance reads its own base (TensorFlow's own tests
-  move the class's base by hand between strategies for the same reason). Idempotent:
-  installed once; a class base set by hand afterwards (an int) replaces the descriptor.
+  move the class's base by hand between strategies for the same reason). The v1 class
+  keeps a class attribute of its own, so it gets a descriptor of its own, sharing
+  ``allocate``: a v1 and a v2 strategy in one process get different ranges too.
+  Idempotent: installed once per class; a class base set by hand afterwards (an int)
+  replaces that class's descriptor.
 
   Args:
     allocate: called once per strategy, returns the strategy's base (its first group key
       minus one).
   """
-  cls = tf.distribute.MirroredStrategy
-  if not isinstance(cls.__dict__.get("_collective_key_base"), _CollectiveKeyBasePerInstance):
-    cls._collective_key_base = _CollectiveKeyBasePerInstance(allocate)  # pylint: disable=protected-access
+  for cls in _mirrored_strategy_classes():
+    if not isinstance(cls.__dict__.get("_collective_key_base"), _CollectiveKeyBasePerInstance):
+      cls._collective_key_base = _CollectiveKeyBasePerInstance(allocate)  # pylint: disable=protected-access
 
 
 def flatten_layers(model, include_self: bool = False) -> List:
