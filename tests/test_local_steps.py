@@ -12,8 +12,9 @@ import pytest
 import tensorflow as tf
 
 import tf_adacomp
-from replica_harness import (DEVICES, PER_REPLICA, data, fit, linear_model, np_topk,
-                             own_mean_gradients, replica_values, replica_weights, shards)
+from replica_harness import (DEVICES, FEATURES, OUTPUTS, PER_REPLICA, assert_replicas_hold,
+                             data, fit, linear_model, np_topk, own_mean_gradients,
+                             replica_values, replica_weights, shards)
 from tf_adacomp import local_steps as local_steps_lib
 
 LR, MOMENTUM, DENSITY = 0.05, 0.9, 0.2
@@ -36,14 +37,27 @@ class NumpySGD:
     return out
 
 
-def reference_rounds(start, replicas, steps, local_steps, density=None, outer=None):
+def reference_rounds(start, replicas, steps, local_steps, density=None, outer=None,
+                     set_at=None, set_to=None):
   """Weights, residues and local optimizers after ``steps`` steps in rounds of
-  ``local_steps``; ``outer`` a NumpySGD stepping the anchor (None: the mean)."""
+  ``local_steps``; ``outer`` a NumpySGD stepping the anchor (None: the mean).
+
+  ``set_to(weights)`` (each replica's weights in, a value or None per variable out) is
+  what every replica's weights are set to after ``set_at`` steps, as ``set_weights`` or
+  ``Variable.assign`` do between steps: the round goes on from them, so each set
+  variable's anchor is that value too (the jump is no part of any pseudo-update).
+  """
   anchor = [w.astype(np.float32) for w in start]
   local = [NumpySGD(anchor, LR, MOMENTUM) for _ in range(replicas)]
   weights = [list(anchor) for _ in range(replicas)]
   residues = [[np.zeros_like(w) for w in anchor] for _ in range(replicas)]
   for step in range(steps):
+    if step == set_at:
+      for v, value in enumerate(set_to(weights)):
+        if value is not None:
+          anchor[v] = np.asarray(value, np.float32)
+          for r in range(replicas):
+            weights[r][v] = anchor[v]
     for r, (xs, ys) in enumerate(shards(replicas, step, steps)):
       weights[r] = local[r].step(weights[r], own_mean_gradients(weights[r], xs, ys))
     if (step + 1) % local_steps:
@@ -180,6 +194,192 @@ def test_a_non_finite_round_goes_back_to_the_anchor_everywhere():
     for copy in replica_values(slot, strategy):
       assert np.all(np.isfinite(copy))
   assert int(optimizer.iterations.numpy()) == 4
+
+
+# --- Weights set between steps, layers frozen mid-round -------------------------------
+
+
+def _two_fits(optimizer, replicas, first, steps, between, model_fn=linear_model):
+  """``model.fit`` for ``first`` steps, ``between(model, strategy)``, then the remaining
+  ``steps - first`` steps (data as ``shards``). Returns ``(start weights, model,
+  strategy)``."""
+  strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES[:replicas])
+  x, y = data(replicas, steps)
+  cut = first * replicas * PER_REPLICA
+  with strategy.scope():
+    model = model_fn()
+    model.compile(optimizer=optimizer(), loss="mse")
+  start = model.get_weights()
+  model.fit(x[:cut], y[:cut], batch_size=replicas * PER_REPLICA, verbose=0, shuffle=False)
+  between(model, strategy)
+  model.fit(x[cut:], y[cut:], batch_size=replicas * PER_REPLICA, verbose=0, shuffle=False)
+  return start, model, strategy
+
+
+def _jump(start):
+  rng = np.random.default_rng(3)
+  return [(s + rng.standard_normal(s.shape)).astype(np.float32) for s in start]
+
+
+@pytest.mark.parametrize("how", ["set_weights", "kernel_assign", "set_to_replica_0"])
+def test_weights_set_mid_round_are_where_the_round_goes_on_from(how):
+  """``set_weights`` after step 2 of a round (as EarlyStopping's restore_best_weights
+  does when a fit stops there), or one variable's ``assign``: the round goes on from the
+  new weights, and the jump is no update to average or to step the outer optimizer
+  with. "set_to_replica_0" sets every replica to the first one's weights
+  (``set_weights(get_weights())``): that replica's own weights do not change."""
+  replicas, steps, h, first = 2, 8, 4, 2
+  jumped = {}
+
+  def between(model, strategy):
+    del strategy
+    if how == "set_weights":
+      jumped["to"] = _jump(model.get_weights())
+      model.set_weights(jumped["to"])
+    elif how == "kernel_assign":
+      jumped["to"] = [_jump(model.get_weights())[0], None]
+      model.layers[0].kernel.assign(jumped["to"][0])
+    else:
+      model.set_weights(model.get_weights())
+
+  start, model, strategy = _two_fits(
+      _local_steps(h, local_steps_lib.diloco, compressor="none"), replicas, first, steps,
+      between)
+  set_to = ((lambda weights: list(weights[0])) if how == "set_to_replica_0"
+            else (lambda weights: jumped["to"]))
+  outer = NumpySGD(start, OUTER_LR, OUTER_MOMENTUM, nesterov=True)
+  _, anchor, _, local = reference_rounds(start, replicas, steps, h, outer=outer,
+                                         set_at=first, set_to=set_to)
+  assert_replicas_hold(model, strategy, anchor, rtol=1e-5, atol=1e-5)
+  for v, expected in enumerate(outer.moments):
+    for copy in replica_values(model.optimizer.outer_optimizer.momentums[v], strategy):
+      np.testing.assert_allclose(copy, expected, rtol=1e-5, atol=1e-5)
+  for v in range(len(start)):  # each replica's own momentum went on
+    for r, moment in enumerate(replica_values(model.optimizer.inner_optimizer.momentums[v],
+                                              strategy)):
+      np.testing.assert_allclose(moment, local[r].moments[v], rtol=1e-5, atol=1e-6)
+
+
+def test_set_weights_mid_round_puts_all_of_the_jump_into_the_weights_and_none_into_residues():
+  """AdaComp, a learning rate of zero: nothing but the jump happens in the round, and at
+  its end every replica holds exactly the weights set, with nothing held back."""
+  replicas, steps, h, first = 2, 4, 4, 2
+  jumped = {}
+
+  def between(model, strategy):
+    del strategy
+    jumped["to"] = _jump(model.get_weights())
+    model.set_weights(jumped["to"])
+
+  _, model, strategy = _two_fits(
+      lambda: tf_adacomp.CompressedOptimizer(keras.optimizers.SGD(0.0, momentum=MOMENTUM),
+                                             "adacomp", local_steps=h),
+      replicas, first, steps, between)
+  for v, copies in enumerate(replica_weights(model, strategy)):
+    for copy in copies:
+      np.testing.assert_array_equal(copy, jumped["to"][v])
+  for state in model.optimizer.residues:
+    for variable in state:
+      for copy in replica_values(variable, strategy):
+        assert not np.any(copy)
+
+
+def test_fingerprints_are_the_odd_weighted_sum_of_the_bits_and_see_one_element_change():
+  rng = np.random.default_rng(5)
+  values = [rng.standard_normal([3, 4]).astype(np.float32),
+            rng.standard_normal([5]).astype(np.float64),
+            rng.standard_normal([6]).astype(np.float16)]
+
+  def reference(value):  # the words of the value's bits, in memory order
+    words = value.view(np.int16 if value.itemsize == 2 else np.int32).astype(np.int64).ravel()
+    total = int(np.sum(words * (2 * np.arange(words.size, dtype=np.int64) + 1))) % 2**32
+    return total - 2**32 if total >= 2**31 else total  # as a signed int32
+
+  prints = local_steps_lib.fingerprints([tf.constant(v) for v in values]).numpy()
+  assert prints.dtype == np.int64
+  assert list(prints) == [reference(v) for v in values]
+  for value, before in zip(values, prints):
+    nudged = value.copy()
+    nudged.flat[-1] = np.nextafter(nudged.flat[-1], np.inf)  # its last bit
+    assert local_steps_lib.fingerprints([tf.constant(nudged)]).numpy()[0] != before
+
+
+def _two_layers():
+  keras.utils.set_random_seed(1)
+  return keras.Sequential([keras.Input([FEATURES]), keras.layers.Dense(4),
+                           keras.layers.Dense(OUTPUTS)])
+
+
+def _all_copies(model, strategy):
+  return [replica_values(v, strategy) for v in model.weights]
+
+
+@pytest.mark.parametrize("compressor", ["none", "topk"])
+def test_a_layer_frozen_mid_round_ends_the_round_on_the_replicas_mean(compressor):
+  """``layer.trainable = False`` after step 2 of a round and ``compile`` again with the
+  same optimizer, as Keras requires for the change to take effect: at the round's end
+  the frozen layer's copies are brought together through the same exchange as the
+  others (exactly their mean without compression; TopK with error feedback, replayed),
+  and stay so, with their residues, while the layer is frozen."""
+  replicas, steps, h, first = 2, 8, 4, 2
+  seen = {}
+
+  def between(model, strategy):
+    layer = model.layers[0]
+    seen["copies"] = [replica_values(v, strategy) for v in layer.trainable_variables]
+    # The round's anchor: the optimizer's first two variables are this layer's.
+    seen["anchors"] = [replica_values(a, strategy)[0] for a in model.optimizer.anchors[:2]]
+    layer.trainable = False
+    with strategy.scope():
+      model.compile(optimizer=model.optimizer, loss="mse")
+
+  density = 0.5
+  make = lambda: tf_adacomp.CompressedOptimizer(
+      _sgd(), tf_adacomp.TopK(density) if compressor == "topk" else "none", local_steps=h)
+  _, model, strategy = _two_fits(make, replicas, first, steps, between, _two_layers)
+  optimizer = model.optimizer
+  for copies in _all_copies(model, strategy):  # every variable, frozen or not
+    for copy in copies:
+      np.testing.assert_array_equal(copy, copies[0])
+  for v, (copies, anchor) in enumerate(zip(seen["copies"], seen["anchors"])):
+    if compressor == "none":
+      expected = np.mean(copies, axis=0)
+    else:
+      sent, residues = zip(*[np_topk(copy - anchor, density)[:2] for copy in copies])
+      expected = anchor + np.mean(sent, axis=0)
+      for r, residue in enumerate(replica_values(optimizer.residues[v][0], strategy)):
+        np.testing.assert_allclose(residue, residues[r], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(replica_values(model.layers[0].weights[v], strategy)[0],
+                               expected, rtol=1e-5, atol=1e-6)
+
+
+def test_unfreezing_a_layer_the_optimizer_was_not_built_with_is_keras_error_and_changes_nothing():
+  replicas, h = 2, 4
+  strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES[:replicas])
+  x, y = data(replicas, 4)
+  cut = 2 * replicas * PER_REPLICA
+  with strategy.scope():
+    model = _two_layers()
+    model.layers[0].trainable = False
+    model.compile(optimizer=_local_steps(h)(), loss="mse")
+  model.fit(x[:cut], y[:cut], batch_size=replicas * PER_REPLICA, verbose=0, shuffle=False)
+  optimizer = model.optimizer
+  before = _all_copies(model, strategy), [replica_values(v, strategy)
+                                          for v in optimizer.variables]
+  model.layers[0].trainable = True
+  with strategy.scope():
+    model.compile(optimizer=optimizer, loss="mse")
+  with pytest.raises(ValueError, match=r"Unknown variable: <Variable path=sequential\S*/dense"
+                                       r"\S*/kernel.*can only be called for the variables it "
+                                       r"was originally built with"):
+    model.fit(x[cut:], y[cut:], batch_size=replicas * PER_REPLICA, verbose=0, shuffle=False)
+  after = _all_copies(model, strategy), [replica_values(v, strategy)
+                                         for v in optimizer.variables]
+  for old_group, new_group in zip(before, after):
+    for old, new in zip(old_group, new_group):
+      for a, b in zip(old, new):
+        np.testing.assert_array_equal(a, b)
+  assert int(optimizer.iterations.numpy()) == 2
 
 
 # --- State and configuration --------------------------------------------------------

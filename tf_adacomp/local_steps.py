@@ -26,12 +26,45 @@ optimizer state that are not finite are set to zero, so that it can go on.
 Between round ends each replica holds its own weights: a checkpoint taken mid-round
 stores the first replica's (what a ``MirroredVariable`` reads as), and after a restore
 every replica continues the round from them.
+
+Weights set between steps (``Model.set_weights``, as EarlyStopping's
+``restore_best_weights`` does where a fit stops mid-round; ``Variable.assign``): training
+goes on from them, and the jump is no update. Each replica keeps, per variable, a
+fingerprint of the weights its last local step left (``fingerprints``: one integer from
+the variable's bits, rather than a copy of the weights, which would double their memory)
+and, at the next step of the round, compares it with the weights' before stepping; where
+they differ, the replica anchors that variable's round at its weights as they are now,
+so that the jump enters neither a pseudo-update nor a residue. A replica whose own
+weights did not change (``set_weights(get_weights())`` sets every replica to the first
+one's) does not notice: at the round's end, where any replica re-anchored a variable in
+the round (one more float in the round's scalar all-reduce), the replicas share who
+re-anchored which variable when (a small all-reduce) and every replica takes, for such a
+variable, the anchor of the replica that re-anchored it latest (one dense all-reduce, in
+such rounds only), and measures its pseudo-update from it. The cost is a pass over the
+weights (one fused XLA program, about a read of them) after each step of a round but its
+last, and one before each but its first. A change the fingerprint misses (the bit
+differences of several changed elements, weighted by distinct odd factors, summing to
+zero modulo 2^32) is treated as before the fix: as part of the pseudo-update.
+Fingerprints are not saved: after a restore or ``optimizer.set_weights`` (which set
+``iterations``) the round goes on from the restored anchor.
+
+A variable the optimizer was built with and that a step does not train (a layer frozen
+with ``trainable = False`` and ``compile`` run again, as Keras requires for the change to
+take effect): if a replica stepped it earlier in the round, it joins the round's exchange
+(the same compression and error feedback; without compression exactly the mean of the
+replicas' copies), and every replica sets it to its anchor plus the mean, without the
+outer optimizer's step (it is no longer trained); the rounds after leave it, and its
+residue, alone. A variable the optimizer was not built with (a layer unfrozen after
+``build``) is refused as Keras' optimizers refuse it.
 """
+
+import contextlib
 
 import keras
 import tensorflow as tf
 
 from tf_adacomp.ops import checks
+from tf_adacomp.ops import compiled
 
 AVERAGE = "average"
 # What ``outer_optimizer=None`` means.
@@ -111,3 +144,148 @@ def is_round_end(step, local_steps: int):
 def without_non_finite(value):
   """``value`` with its non-finite entries set to zero (a float tensor)."""
   return tf.where(tf.math.is_finite(value), value, tf.zeros_like(value))
+
+
+def _fingerprint(value):
+  if value.dtype.is_floating:
+    # A float64 becomes two int32 words, a 16-bit float one int16.
+    value = tf.bitcast(value, tf.int16 if value.dtype.size == 2 else tf.int32)
+  bits = tf.reshape(tf.cast(value, tf.int32), [-1])
+  # Odd factors, distinct below 2^31 elements (int32 arithmetic wraps modulo 2^32).
+  odd = 2 * tf.range(tf.size(bits)) + 1
+  return tf.reduce_sum(bits * odd)
+
+
+def _fingerprints(tensors):
+  return tf.cast(tf.stack([_fingerprint(t) for t in tensors]), tf.int64)
+
+
+def fingerprints(tensors):
+  """A fingerprint of each tensor's bits (an int64 vector, one entry per tensor): the sum,
+  modulo 2^32, of each element's bit pattern times a distinct odd factor (2 * position
+  + 1).
+
+  Equal tensors have equal fingerprints; a change of one element always changes its
+  tensor's (an odd factor is invertible modulo 2^32), and a change of several escapes
+  only where their weighted bit differences cancel. One XLA program for all the tensors,
+  a single pass over each (about the cost of reading it; int32 arithmetic, which XLA
+  keeps on the device); nothing of the tensors is kept.
+  """
+  return compiled.kernel(_fingerprints)([tf.convert_to_tensor(t) for t in tensors])
+
+
+class RoundState:
+  """What each replica records of its own local steps (one value per replica, equal on
+  all but ``fingerprints`` and ``moved_at``): not saved, and not among the optimizer's
+  variables (``round_state``).
+
+  Attributes:
+    fingerprints: int64 per variable, ``fingerprints`` of the weights this replica's
+      last recorded local step left.
+    stepped_at: int64 per variable, the step (1-based) that last stepped it; a round's
+      last step is not recorded (the exchange sets the weights).
+    moved_at: int64 per variable, the step at which this replica re-anchored it because
+      its weights had been set from outside (0: never).
+    recorded_at: int64, ``iterations`` after the last recorded step (-1: none); the
+      records hold only while ``iterations`` is still that (not after a restore).
+  """
+
+  def __init__(self, strategy, count):
+    self.count = count
+
+    def variable(name, shape, value):
+      return tf.Variable(tf.fill(shape, tf.constant(value, tf.int64)), trainable=False,
+                         name=f"local_steps_{name}",
+                         synchronization=tf.VariableSynchronization.ON_READ,
+                         aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+    # Made when a step is first traced, inside the function: lifted out of it.
+    with tf.init_scope(), (strategy.scope() if strategy else contextlib.nullcontext()):
+      self.fingerprints = variable("fingerprints", [count], 0)
+      self.stepped_at = variable("stepped_at", [count], 0)
+      self.moved_at = variable("moved_at", [count], 0)
+      self.recorded_at = variable("recorded_at", [], -1)
+
+
+_ROUND_STATE = "_local_steps_round_state"
+
+
+def round_state(optimizer) -> RoundState:
+  """``optimizer``'s ``RoundState`` for the variables it was built with, made on first use.
+
+  Kept out of Keras' and TensorFlow's tracking (set in ``__dict__``): the optimizer's
+  variables, its checkpoints and saved models stay as they were. Made in a replica
+  context when the first step is traced: in a ``merge_call``, once for every replica, or
+  where the strategy runs without one, by the first replica's thread (they trace one
+  after the other), through the strategy's variable creator.
+  """
+  count = len(optimizer._trainable_variables)  # pylint: disable=protected-access
+  state = optimizer.__dict__.get(_ROUND_STATE)
+  if state is None or state.count != count:
+    if tf.distribute.in_cross_replica_context():
+      state = RoundState(tf.distribute.get_strategy(), count)
+    elif tf.__internal__.distribute.strategy_supports_no_merge_call():
+      # No strategy, or XLA on GPUs (no merge_call): the replicas' threads trace one
+      # after the other, and the first makes it, with the strategy's creator.
+      state = RoundState(None, count)
+    else:
+      state = tf.distribute.get_replica_context().merge_call(
+          lambda strategy: RoundState(strategy, count))
+    optimizer.__dict__[_ROUND_STATE] = state
+  return state
+
+
+def record_step(state, indices, variables, iterations):
+  """Records this replica's local step of ``variables`` (at ``indices``), which made
+  ``iterations`` steps in all. Returns True (for a ``tf.cond`` branch)."""
+  if indices:
+    positions = [[i] for i in indices]
+    state.fingerprints.assign(tf.tensor_scatter_nd_update(
+        tf.convert_to_tensor(state.fingerprints), positions, fingerprints(variables)))
+    state.stepped_at.assign(tf.tensor_scatter_nd_update(
+        tf.convert_to_tensor(state.stepped_at), positions,
+        tf.fill([len(indices)], iterations)))
+  state.recorded_at.assign(iterations)
+  return tf.constant(True)
+
+
+def moved_in_round(state, indices, begun):
+  """Float32 per entry of ``indices``: the step of the round (1 to H) at which this
+  replica re-anchored the variable there, 0 if it did not in the round that followed
+  step ``begun``."""
+  moved_at = tf.gather(tf.convert_to_tensor(state.moved_at), tf.constant(indices, tf.int64))
+  return tf.cast(tf.where(moved_at > begun, moved_at - begun, tf.zeros_like(moved_at)),
+                 tf.float32)
+
+
+def adopt_latest_anchors(anchor_variables, moved, anchors):
+  """In a replica context, at the end of a round in which a replica re-anchored a
+  variable: each such variable's anchor becomes, on every replica, the anchor of the
+  replica that re-anchored it latest in the round (the lowest-numbered among equals).
+
+  A replica that did not notice a ``set_weights`` held the weights set already, so the
+  latest anchor is where the round went on from. A sum in which only that replica's
+  copy is not zero moves it exactly.
+
+  Args:
+    anchor_variables: the anchors' variables (this replica's copies are set).
+    moved: float32 per variable, ``moved_in_round`` of this replica.
+    anchors: this replica's anchors, one tensor per variable.
+
+  Returns:
+    True (for a ``tf.cond`` branch).
+  """
+  ctx = tf.distribute.get_replica_context()
+  replica = tf.cast(ctx.replica_id_in_sync_group, tf.int32)
+  rows = tf.one_hot(replica, ctx.num_replicas_in_sync, dtype=tf.float32)
+  table = ctx.all_reduce(tf.distribute.ReduceOp.SUM, rows[:, None] * moved[None, :])
+  latest = tf.reduce_max(table, axis=0)
+  owner = tf.argmax(tf.cast(tf.equal(table, latest[None, :]), tf.int32), axis=0,
+                    output_type=tf.int32)
+  adopt = latest > 0
+  offered = [tf.where(tf.logical_and(adopt[k], tf.equal(owner[k], replica)), a,
+                      tf.zeros_like(a)) for k, a in enumerate(anchors)]
+  summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, offered)
+  for k, (variable, anchor, value) in enumerate(zip(anchor_variables, anchors, summed)):
+    variable.assign(tf.where(adopt[k], value, anchor))
+  return tf.constant(True)

@@ -245,7 +245,9 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       many consecutive devices share a host (replicas ``0..n-1`` are the first host's);
       None is one host. Under ``MultiWorkerMirroredStrategy`` the strategy's own number
       (``len(strategy.extended.worker_devices)``), and another value is refused when
-      the optimizer is built.
+      the optimizer is built. A value restored from a saved config (``load_model``) that
+      does not fit where it is restored is replaced, with a warning
+      (``tf_adacomp.hierarchy``).
 
   Raises:
     TypeError: ``inner_optimizer`` is not a Keras optimizer; an unknown keyword argument
@@ -268,7 +270,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       Adasum, ``momentum_masking`` (``local_steps`` > 1) or a shared ``second_moment``;
       ``hierarchical`` not None or a bool; ``devices_per_worker`` not None or an int
       >= 1 (a TypeError if not an int), or one that does not divide the replicas or
-      differs from a multi-worker strategy's own (when built);
+      differs from a multi-worker strategy's own (when built; not one restored from a
+      saved config);
       a base optimizer argument other than its Keras default (set those on the inner
       optimizer); an ``inner_optimizer`` that is a ``LossScaleOptimizer`` (wrap
       ``LossScaleOptimizer(CompressedOptimizer(inner))`` instead).
@@ -496,6 +499,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     if trainable_variables is None:
       trainable_variables = self._trainable_variables
     grads, trainable_variables = list(grads), list(trainable_variables)
+    self._check_variables_are_known(trainable_variables)  # Keras' ValueError, before any change
     indices = [self._get_variable_index(v) for v in trainable_variables]
     plans = [self.plans[i] for i in indices]
     states = [tuple(tf.convert_to_tensor(r.value) for r in self.residues[i]) for i in indices]
@@ -537,7 +541,9 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
   def _apply_updates(self, grads, variables, indices, plans, states, dense):
     """The update exchange: local optimizer steps, then the mean (``reduction="sum"``)
     or Adasum (``"adasum"``) of the replicas' compressed weight updates; with
-    ``local_steps=H`` only every H-th step ends a round and exchanges anything
+    ``local_steps=H`` only every H-th step ends a round and exchanges anything, weights
+    set between steps re-anchor the round, and a variable built with but no longer
+    trained joins the exchange of a round in which it was stepped
     (``tf_adacomp.local_steps``)."""
     ctx = tf.distribute.get_replica_context()
     replicas = ctx.num_replicas_in_sync
@@ -555,79 +561,205 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       with tf.control_dependencies(anchors):
         self._on_every_replica_if(
             stepped, lambda local: self._apply_inner(local, variables), own)
-    else:
-      # A round begins: its anchor is the weights, the same on every replica. Nothing
-      # crosses devices until the round's last step, which decides whether it was finite.
-      stepped = None
-      round_start = tf.equal(tf.math.floormod(self.iterations, self.local_steps), 0)
-      anchors = self._start_round(round_start, variables, indices)
-      with tf.control_dependencies(anchors):
-        self._apply_inner(own, variables)
-    present = [g is not None for g in grads]
-
-    def pseudo_updates(anchors):
       # Automatic control dependencies order these reads after the local step.
-      return [tf.convert_to_tensor(v) - a if p else None
-              for p, v, a in zip(present, variables, anchors)]
-
-    if self.local_steps == 1:
       self._finish_round(variables, indices, plans, states, anchors,
-                         pseudo_updates(anchors), dense, stepped)
+                         [None if g is None else tf.convert_to_tensor(v) - a
+                          for g, v, a in zip(grads, variables, anchors)], dense, stepped)
       return
+    # Rounds of local steps. Nothing crosses devices until the round's last step, which
+    # decides whether it was finite. "Idle" variables: the optimizer was built with them
+    # and this step does not train them (a layer frozen since, or no gradient); one that
+    # this replica stepped in this round joins the round's exchange.
+    state = local_steps_lib.round_state(self)
+    done = tf.cast(self.iterations, tf.int64)  # the steps before this one
+    trained = [k for k, g in enumerate(grads) if g is not None]
+    stepping, at = [variables[k] for k in trained], [indices[k] for k in trained]
+    idle = [i for i in range(len(self.plans)) if i not in set(at)]
+    idle_variables = [self._trainable_variables[i] for i in idle]
+    anchors, joins = self._start_round(state, done, stepping, at, idle)
+    with tf.control_dependencies(anchors + joins):
+      self._apply_inner(own, variables)
+    round_end = local_steps_lib.is_round_end(self.iterations, self.local_steps)
+    # What this step left, for the next step to tell a `set_weights` from (at a round's
+    # end the exchange sets the weights, and the next round begins anew).
+    tf.cond(round_end, lambda: tf.constant(False),
+            lambda: local_steps_lib.record_step(state, at, stepping,
+                                                tf.cast(self.iterations, tf.int64)))
     self._record_bytes(indices, [None] * len(indices), traced=False)  # unless a round ends
+
+    def finish(own, with_idle):
+      own_states, own_anchors, own_joins = own
+      # Automatic control dependencies order these reads after the local step.
+      deltas = [tf.convert_to_tensor(v) - a for v, a in zip(stepping, own_anchors)]
+      if not with_idle:
+        return self._finish_round(stepping, at, [plans[k] for k in trained], own_states,
+                                  own_anchors, deltas, dense, None)
+      # Read here, in each replica: its own copies.
+      idle_anchors = [tf.convert_to_tensor(self.anchors[i]) for i in idle]
+      return self._finish_round(
+          stepping + idle_variables, at + idle,
+          [plans[k] for k in trained] + [self.plans[i] for i in idle],
+          list(own_states) + [tuple(tf.convert_to_tensor(r.value) for r in self.residues[i])
+                              for i in idle],
+          list(own_anchors) + idle_anchors,
+          deltas + [tf.where(j, tf.convert_to_tensor(v) - a, tf.zeros_like(a))
+                    for j, v, a in zip(own_joins, idle_variables, idle_anchors)],
+          dense, None, masks=[None] * len(at) + list(own_joins))
+
     # Each replica's own values go through the arguments: under MirroredStrategy the
     # function runs for every replica from one thread, and a closure would hand every
     # replica the first one's residues. The pseudo-updates are computed in the round's
     # last step only (a pass over the weights).
-    self._on_every_replica_if(
-        local_steps_lib.is_round_end(self.iterations, self.local_steps),
-        lambda own: self._finish_round(variables, indices, plans, own[0], own[1],
-                                       pseudo_updates(own[1]), dense, stepped),
-        (states, anchors))
+    values = ([states[k] for k in trained], anchors, joins)
+    if not idle:
+      self._on_every_replica_if(round_end, lambda own: finish(own, False), values)
+      return
+    # Whether an idle variable joins is the same on every replica (all take the same steps).
+    joined = tf.reduce_any(tf.stack(joins))
+    self._on_every_replica_if(tf.logical_and(round_end, tf.logical_not(joined)),
+                              lambda own: finish(own, False), values)
+    self._on_every_replica_if(tf.logical_and(round_end, joined),
+                              lambda own: finish(own, True), values)
 
-  def _start_round(self, round_start, variables, indices):
-    """The anchors of this round: set to the weights at a round's first step."""
-    anchors = []
-    for i, variable in zip(indices, variables):
-      anchor = self.anchors[i]
-      weight = tf.convert_to_tensor(variable)
-      anchors.append(tf.cond(round_start, lambda a=anchor, w=weight: _assigned(a, w),
-                             lambda a=anchor: tf.convert_to_tensor(a)))
-    return anchors
+  def _start_round(self, state, done, variables, indices, idle):
+    """This replica's anchors for ``variables`` (at ``indices``), which the step after
+    ``done`` steps trains, and for each ``idle`` variable (built with, not trained by
+    this step) whether this replica stepped it in this round, so that it joins the
+    round's exchange.
 
-  def _finish_round(self, variables, indices, plans, states, anchors, deltas, dense, stepped):
+    A variable's anchor is set to its weights where it joins a round: at the round's
+    first step, or at the first step of the round that trains it. On this replica it is
+    set again where the weights are not what this replica's last local step left
+    (``state``'s fingerprints): they were set from outside, and the round goes on from
+    them; ``state.moved_at`` records it (``tf_adacomp.local_steps``). Without a record
+    of the step before (the first step, a round's first, or after a restore, which set
+    ``iterations``) anchors are set at a round's first step only.
+    """
+    position = tf.math.floormod(done, self.local_steps)
+    begun = done - position  # the steps before this round
+    known = tf.equal(tf.convert_to_tensor(state.recorded_at), done)
+    stepped_at = tf.convert_to_tensor(state.stepped_at)
+    prints = tf.convert_to_tensor(state.fingerprints)
+
+    def jumps(weights, at, candidates):
+      # Where `candidates`, whether the weights' fingerprints are not the recorded ones
+      # (one pass over `weights`, taken only if any is a candidate).
+      recorded = tf.gather(prints, at)
+      now = tf.cond(tf.reduce_any(candidates),
+                    lambda: local_steps_lib.fingerprints(weights), lambda: recorded)
+      return tf.logical_and(candidates, tf.not_equal(now, recorded))
+
+    anchors, jumped, joins = [], [], []
+    if indices:
+      at = tf.constant(indices, tf.int64)
+      fresh = tf.where(known, tf.gather(stepped_at, at) <= begun,
+                       tf.fill([len(indices)], tf.equal(position, 0)))
+      jumped.append(jumps(variables, at, tf.logical_and(known, tf.logical_not(fresh))))
+      for k, (i, variable) in enumerate(zip(indices, variables)):
+        anchor, weight = self.anchors[i], tf.convert_to_tensor(variable)
+        anchors.append(tf.cond(tf.logical_or(fresh[k], jumped[0][k]),
+                               lambda a=anchor, w=weight: _assigned(a, w),
+                               lambda a=anchor: tf.convert_to_tensor(a)))
+    if idle:
+      at = tf.constant(idle, tf.int64)
+      joining = tf.logical_and(known, tf.gather(stepped_at, at) > begun)
+      idle_variables = [self._trainable_variables[i] for i in idle]
+      jumped.append(jumps(idle_variables, at, joining))
+      for k, (i, variable) in enumerate(zip(idle, idle_variables)):
+        anchor = self.anchors[i]
+        anchored = tf.cond(jumped[-1][k],
+                           lambda a=anchor, v=variable: _assigned(a, tf.convert_to_tensor(v)),
+                           lambda a=anchor: tf.zeros(a.shape, a.dtype))
+        with tf.control_dependencies([anchored]):
+          joins.append(tf.identity(joining[k]))
+    everywhere = list(indices) + list(idle)
+    moved_at = tf.convert_to_tensor(state.moved_at)
+    moved_at = tf.where(known, moved_at, tf.zeros_like(moved_at))  # a new round, or no record
+    if everywhere:
+      at = tf.constant(everywhere, tf.int64)
+      moved_at = tf.tensor_scatter_nd_update(
+          moved_at, at[:, None],
+          tf.where(tf.concat(jumped, 0), done + 1, tf.gather(moved_at, at)))
+    with tf.control_dependencies([state.moved_at.assign(moved_at)]):
+      return [tf.identity(a) for a in anchors], joins
+
+  def _finish_round(self, variables, indices, plans, states, anchors, deltas, dense, stepped,
+                    masks=None):
     """A round's end: the replicas' pseudo-updates ``deltas`` (local weights minus
     ``anchors``) compressed, exchanged and combined; the outer optimizer (or the mean)
     moves the anchor and every replica adopts it. ``stepped`` is whether every replica
-    took its local step (None: decided here, from the pseudo-updates)."""
+    took its local step (None: decided here, from the pseudo-updates, with local steps;
+    then no delta is None).
+
+    With local steps, where a replica re-anchored a variable in the round (its weights
+    were set from outside), every replica first takes the latest such anchor and
+    measures its pseudo-update from it (``local_steps.adopt_latest_anchors``).
+    ``masks``: None, or per variable None (trained by this step) or whether that idle
+    variable joins the round (its delta is zero where not): one that joins gets the mean
+    without the outer optimizer's step; one that does not keeps its weights and residues.
+    """
     ctx = tf.distribute.get_replica_context()
     replicas = ctx.num_replicas_in_sync
+    masks = [None] * len(variables) if masks is None else list(masks)
     if stepped is None:
-      bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                           tf.cast(tf.logical_not(fused.all_finite(deltas)), tf.float32))
-      stepped = tf.equal(bad, 0.0)
+      moved = local_steps_lib.moved_in_round(
+          local_steps_lib.round_state(self), indices,
+          tf.cast(self.iterations, tf.int64) - self.local_steps)
+      # One all-reduce: whether a replica's round went non-finite, and whether one
+      # re-anchored a variable.
+      flags = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.stack([
+          tf.cast(tf.logical_not(fused.all_finite(deltas)), tf.float32),
+          tf.reduce_sum(moved)]))
+      stepped = tf.equal(flags[0], 0.0)
+      re_anchored = flags[1] > 0.0
+      anchor_variables = [self.anchors[i] for i in indices]
+      self._on_every_replica_if(
+          re_anchored,
+          lambda own: local_steps_lib.adopt_latest_anchors(anchor_variables, own[0], own[1]),
+          (moved, anchors))
+
+      def measured_again():
+        # Automatic control dependencies order these reads after the adoption.
+        new = [tf.convert_to_tensor(a) for a in anchor_variables]
+        return new, [tf.convert_to_tensor(v) - a if m is None
+                     else tf.where(m, tf.convert_to_tensor(v) - a, tf.zeros_like(a))
+                     for v, a, m in zip(variables, new, masks)]
+
+      anchors, deltas = tf.cond(re_anchored, measured_again,
+                                lambda: (list(anchors), list(deltas)))
       # Nothing that is not finite enters a compressor (its residue is kept anyway).
-      deltas = [None if d is None else tf.where(stepped, d, tf.zeros_like(d))
-                for d in deltas]
+      deltas = [tf.where(stepped, d, tf.zeros_like(d)) for d in deltas]
     exchanged = self._exchange.replica_exchange(plans, deltas, states, dense,
                                                 self.hierarchy)
     # The mean of the replicas' updates (or their Adasum).
     combined = [None if s is None else self._exchange.reduction.to_mean(s, replicas)
                 for s in exchanged.sums]
     finite = tf.logical_and(stepped, fused.all_finite(combined))
-    self._keep_states(indices, states, exchanged.states, finite)
+    if all(m is None for m in masks):
+      self._keep_states(indices, states, exchanged.states, finite)
+    else:
+      for k, mask in enumerate(masks):
+        self._keep_states([indices[k]], [states[k]], [exchanged.states[k]],
+                          finite if mask is None else tf.logical_and(finite, mask))
     self._record_bytes(indices, exchanged.nbytes)
     if self.momentum_masking:
       sent_step = finite if dense is None else tf.logical_and(finite, tf.logical_not(dense))
       self._mask_momentum(variables, states, deltas, exchanged.states, sent_step)
     present = [k for k, c in enumerate(combined) if c is not None]
-    if isinstance(self.outer_optimizer, str):  # "average"
+    # Idle variables take the mean whatever the outer optimizer: they are not trained.
+    stepped_outer = ([] if isinstance(self.outer_optimizer, str)  # "average"
+                     else [k for k in present if masks[k] is None])
+    averaged = [k for k in present if k not in stepped_outer]
+    if averaged:
       self._assign_per_replica(
-          [variables[k] for k in present],
-          [fused.add_if(finite, anchors[k], combined[k]) for k in present])
-    else:
-      self._outer_step([variables[k] for k in present], [anchors[k] for k in present],
-                       [combined[k] for k in present], finite)
+          [variables[k] for k in averaged],
+          [fused.add_if(finite, anchors[k], combined[k]) if masks[k] is None
+           else tf.where(masks[k], fused.add_if(finite, anchors[k], combined[k]),
+                         tf.convert_to_tensor(variables[k])) for k in averaged])
+    if stepped_outer:
+      self._outer_step([variables[k] for k in stepped_outer],
+                       [anchors[k] for k in stepped_outer],
+                       [combined[k] for k in stepped_outer], finite)
     if self.local_steps > 1:
       # A skipped round: a replica whose own steps went non-finite keeps going from the
       # anchor with the finite part of its optimizer state.
@@ -1044,6 +1176,9 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       config["exchange"] = "gradients"
     # Saved before `second_moment` existed: each replica kept its own.
     config.setdefault("second_moment", "local")
+    # The saved machine's layout: where it does not fit, build() falls back (hierarchy.py).
+    config["devices_per_worker"] = hierarchy_lib.saved_devices_per_worker(
+        config.get("devices_per_worker"))
     return cls(inner, **config)
 
 
