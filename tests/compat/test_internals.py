@@ -655,3 +655,45 @@ def test_tf_keras_optimizer_init_sets_the_names_the_wrapper_sets_instead():
   canaries.require(type(optimizer.kept) is list, "`AutoTrackable._no_dependency`",
                    TF_KERAS_WRAPPER, f"an attribute set to it is a plain list, not tracked "
                    f"(got {type(optimizer.kept).__name__})")
+
+
+def test_check_variables_are_known_refuses_a_variable_the_optimizer_was_not_built_with():
+  """CompressedOptimizer.apply calls Keras' own check first, so that a variable it was
+  not built with (a layer unfrozen later) gets Keras' ValueError before anything runs."""
+  name = "`BaseOptimizer._check_variables_are_known`"
+  user = "optimizer.CompressedOptimizer.apply"
+  known, unknown = keras.Variable(np.zeros(2, np.float32)), keras.Variable(np.zeros(2, np.float32))
+  optimizer = keras.optimizers.SGD(0.1)
+  optimizer.build([known])
+  with canaries.watching(name, user):
+    optimizer._check_variables_are_known([known])  # pylint: disable=protected-access
+  try:
+    optimizer._check_variables_are_known([known, unknown])  # pylint: disable=protected-access
+  except ValueError as error:
+    canaries.require("Unknown variable" in str(error), name, user,
+                     f"its ValueError names the unknown variable: {error}")
+  else:
+    canaries.fail(name, user, "a variable the optimizer was not built with passed")
+
+
+def test_ema_hooks_are_what_apply_calls_for_the_average():
+  """tf_adacomp.ema replaces these two methods on the inner optimizer and reads its
+  averages: replaced by no-ops, ``apply`` must leave the average alone."""
+  from tf_adacomp import ema  # pylint: disable=import-outside-toplevel
+  name = f"`BaseOptimizer.{ema.UPDATE}`/`{ema.OVERWRITE}`/`{ema.AVERAGES}`"
+  user = "tf_adacomp.ema"
+  variable = keras.Variable(np.ones(2, np.float32))
+  optimizer = keras.optimizers.SGD(0.25, use_ema=True, ema_overwrite_frequency=1)
+  with canaries.watching(name, user):
+    optimizer.build([variable])
+    ema.defer(optimizer)
+    average = getattr(optimizer, ema.AVERAGES)[0]
+    with ema.deferred():
+      optimizer.apply([tf.ones(2)], [variable])
+  canaries.require(np.array_equal(average.numpy(), np.zeros(2, np.float32))
+                   and np.array_equal(variable.numpy(), np.full(2, 0.75, np.float32)),
+                   name, user, "deferred, apply neither updates the average nor overwrites "
+                   f"the weights: average {average.numpy()}, weights {variable.numpy()}")
+  optimizer.apply([tf.ones(2)], [variable])
+  canaries.require(not np.array_equal(average.numpy(), np.zeros(2, np.float32)), name, user,
+                   f"outside deferred(), apply updates the average: {average.numpy()}")

@@ -76,6 +76,10 @@ they are used; their canaries are in ``tests/compat/test_internals.py`` too:
     ``_distribution_strategy``, ``_track_variable``, ``_variables`` and
     ``_trainable_variables`` of ``keras.optimizers.Optimizer``
     (``keras/src/optimizers/base_optimizer.py``, ``keras/src/backend/tensorflow/optimizer.py``).
+  - ``_check_variables_are_known``: Keras' "Unknown variable" ValueError, raised by
+    ``apply`` before a step on a variable it was not built with.
+- ``ema.py``: ``UPDATE``, ``OVERWRITE`` and ``AVERAGES``, the base optimizer's EMA methods
+  (replaced on the inner optimizer instance) and its averages.
 - ``replica_steps.py`` (for both optimizer wrappers):
   ``tf.__internal__.distribute.strategy_supports_no_merge_call`` and
   ``tf.__internal__.distribute.interim.maybe_merge_call`` (as Keras' own optimizer).
