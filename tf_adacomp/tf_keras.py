@@ -37,12 +37,23 @@ the weights nor the residues.
 The residues are the wrapper's variables, one value per replica: a ``tf.train.Checkpoint``
 of the model or optimizer (``ModelCheckpoint``, ``BackupAndRestore``,
 ``model.save_weights``) stores their sum and a restore splits it over the replicas then
-present, as in the Keras 3 wrapper.
+present, as in the Keras 3 wrapper. ``model.save`` to a ``.keras`` or ``.h5`` file keeps
+the same state (the residues' sum, the inner optimizer's step counter and slots) and
+``tf_keras.models.load_model`` restores it, with or without a strategy scope
+(``load_weights`` into a model whose optimizer has not stepped yet keeps the state until
+the optimizer is built, at its first step). The SavedModel format
+(``model.save(directory)``) is refused while the model holds this optimizer: tf_keras'
+loader compiles the model again with a new optimizer and drops the state the SavedModel
+holds (for every optimizer, tf_keras' own too), so the residues and the step counter
+would be lost without a word; ``include_optimizer=False`` or ``model.export`` saves the
+model alone.
 
 Not here (Keras 3 only, ``tf_adacomp.CompressedOptimizer``): the shared Adam moment
 (``second_moment="shared"``/``"global"``), ``local_steps``, momentum masking, and mixed
 precision (a ``LossScaleOptimizer`` around this wrapper is refused at its first step).
 """
+
+import numpy as np
 
 try:
   import tf_keras
@@ -157,6 +168,8 @@ class CompressedOptimizer(tf_keras.optimizers.Optimizer):
     self.devices_per_worker = devices_per_worker
     self._exchange = exchange_lib.Exchange(compressor, reduction)
     self._built = False
+    # A file's state loaded before `build` (load_weights into a new model), set by it.
+    self._pending_state = None
 
   # --- Variables -------------------------------------------------------------------
 
@@ -175,9 +188,10 @@ class CompressedOptimizer(tf_keras.optimizers.Optimizer):
     self._index = {_key(v): i for i, v in enumerate(var_list)}
     self.plans = [self.compressor.plan(v.shape, v.dtype, v.name) for v in var_list]
     residues = []
+    names = set()
     for variable, plan in zip(var_list, self.plans):
       name = variable.name.split(":")[0].replace("/", "_") + "_residue"
-      residues.append(tuple(_replica_variable(strategy, variable, spec, name)
+      residues.append(tuple(_replica_variable(strategy, variable, spec, _unique(name, names))
                             for spec in self.compressor.state_specs(plan)))
     self.residues = residues
     with strategy.extended.colocate_vars_with(var_list[0]):
@@ -193,7 +207,14 @@ class CompressedOptimizer(tf_keras.optimizers.Optimizer):
       # value per replica, and a checkpoint stores their mean.
       with tf.variable_creator_scope(replica_steps.one_value_per_replica):
         self.inner_optimizer.build(var_list)
+    else:
+      # Made now rather than at the inner optimizer's first step, so that a file's list
+      # of variables (`.h5`, `.keras`) and a loaded wrapper's, built by the loader, agree.
+      _build_inner(self.inner_optimizer, var_list)
     self._built = True
+    pending, self._pending_state = self._pending_state, None
+    if pending is not None:
+      self._assign_state(*pending)
 
   @property
   def variables(self):
@@ -349,6 +370,100 @@ class CompressedOptimizer(tf_keras.optimizers.Optimizer):
     if finalize is not None:
       finalize(var_list)
 
+  # --- Saving and loading -----------------------------------------------------------
+
+  def set_weights(self, weights):
+    """Sets the optimizer's state from values in the order of ``variables`` (the
+    wrapper's, then the inner optimizer's), as tf_keras' ``.h5`` loader does.
+
+    A residue takes the sum of the replicas' residues (what a save stores) and each
+    replica of the strategy now present gets an even share of it; a slot kept per
+    replica takes the replicas' mean, set on every replica.
+
+    Args:
+      weights: arrays (NumPy arrays, h5py datasets, tensors), one per variable.
+
+    Raises:
+      ValueError: the optimizer is not built; the number of values or a shape differs
+        from the optimizer's and the values hold some state (all zeros, the step
+        counter's included, is the state of an optimizer that never stepped: this one
+        is left as it is).
+    """
+    if not self._built:
+      raise ValueError(
+          "CompressedOptimizer.set_weights() needs the optimizer built (its residues "
+          "exist once it is): call optimizer.build(model.trainable_variables) first.")
+    self._assign_state([np.asarray(w) for w in weights], "the values given to set_weights")
+
+  def load_own_variables(self, store):
+    """Restores the state a ``.keras`` (or ``.weights.h5``) file holds; tf_keras'
+    ``load_model`` and ``load_weights`` call it. Before ``build`` (``load_weights``
+    into a new model), the state is kept and set when the optimizer is built, at its
+    first step.
+
+    Args:
+      store: the file's entries of this optimizer, ``"0"``, ``"1"``, ... in the order
+        of ``variables``.
+
+    Raises:
+      ValueError: the file holds a different number of variables or other shapes than
+        the built optimizer and some state (all zeros, the step counter's included, is
+        the state of an optimizer that never stepped: this one is left as it is).
+    """
+    # Read now: the file is closed once the model is loaded.
+    values = [np.asarray(store[str(i)]) for i in range(len(store.keys()))]
+    source = "the file's state of this optimizer"
+    if not self._built and len(values) > len(self.variables):
+      self._pending_state = self._no_dependency((values, source))
+      return
+    self._assign_state(values, source)
+
+  def _assign_state(self, values, source):
+    """Sets ``variables`` from ``values`` (NumPy arrays, their saved cross-replica
+    values) in order, or refuses, naming what would be lost."""
+    variables = self.variables
+    if len(values) != len(variables):
+      if not any(np.any(v) for v in values):
+        return  # an optimizer saved before its first step: its state is the initial one
+      raise ValueError(
+          f"CompressedOptimizer {self.name!r} has {len(variables)} variables (residues, "
+          f"bytes_sent, then the inner optimizer's) but {source} has {len(values)}: the "
+          f"saved optimizer was built for other variables or with another compressor, "
+          f"exchange or inner optimizer, and its step counter, slots and residues cannot "
+          f"be restored. Load with compile=False and compile a new optimizer to start "
+          f"afresh.")
+    for variable, value in zip(variables, values):
+      if tuple(variable.shape) != value.shape:
+        raise ValueError(
+            f"CompressedOptimizer {self.name!r}: variable {variable.name} has shape "
+            f"{tuple(variable.shape)} but {source} holds shape {value.shape} for it.")
+    replicas = self._distribution_strategy.num_replicas_in_sync
+    for variable, value in zip(variables, values):
+      _set_every_replica(variable, value, replicas)
+
+  def _trackable_children(self, save_type="checkpoint", **kwargs):
+    """The wrapper's attributes (``inner_optimizer``, ``residues``, ``bytes_sent``) for a
+    checkpoint; a SavedModel is refused.
+
+    Raises:
+      ValueError: for a SavedModel (``model.save(directory)``, ``tf.saved_model.save``).
+    """
+    if save_type == "savedmodel":
+      raise ValueError(
+          "A SavedModel (model.save(directory), tf.saved_model.save) cannot keep the "
+          "state of tf_adacomp.tf_keras.CompressedOptimizer: tf_keras.models.load_model "
+          "compiles the model again with a new optimizer from its config, so the inner "
+          "optimizer's step counter (iterations) and slots and the residues (error "
+          "feedback) it saved would be lost. Save to a file ending in .keras or .h5 "
+          "(model.save('model.keras')), or use tf.train.Checkpoint / save_weights for the "
+          "training state; model.save(directory, include_optimizer=False) or "
+          "model.export(directory) saves the model alone, for inference.")
+    # Not tf_keras' Optimizer._trackable_children: it keeps the first answer, given
+    # before `build` when a checkpoint is restored into a new optimizer, and a later
+    # save would then hold neither the residues nor bytes_sent.
+    children = tf.__internal__.tracking.AutoTrackable._trackable_children  # pylint: disable=protected-access
+    return children(self, save_type, **kwargs)
+
   # --- Statistics and serialization -----------------------------------------------
 
   def variable_bytes(self):
@@ -406,7 +521,54 @@ class CompressedOptimizer(tf_keras.optimizers.Optimizer):
         raise ValueError(f"`inner_optimizer` in the config of CompressedOptimizer cannot "
                          f"be deserialized ({error}). Received: "
                          f"inner_optimizer={inner!r:.400}") from error
+    # The saved machine's layout: where it does not fit, build() falls back (hierarchy.py).
+    config["devices_per_worker"] = hierarchy_lib.saved_devices_per_worker(
+        config.get("devices_per_worker"))
     return cls(inner, **config)
+
+
+def _build_inner(optimizer, var_list):
+  """Makes the inner optimizer's variables (step counter, slots) for ``var_list``.
+
+  tf_keras' own ``.h5`` loader builds a legacy optimizer the same way: ``OptimizerV2``
+  has no public ``build`` (its private ``_create_all_weights`` is what its
+  ``apply_gradients`` calls first)."""
+  if isinstance(optimizer, tf_keras.optimizers.Optimizer):
+    optimizer.build(var_list)
+  else:
+    optimizer._create_all_weights(var_list)  # pylint: disable=protected-access
+
+
+def _set_every_replica(variable, value, replicas):
+  """Sets each replica's copy of ``variable`` from ``value``, its saved cross-replica
+  value: an even share of it for a variable summed on read (a residue), ``value``
+  itself for the others.
+
+  Copy by copy, not ``variable.assign``: ``build`` (which sets a state loaded before
+  it) may run in a replica context, where ``assign`` of an on-read variable sets that
+  replica's copy alone; and a loader's h5py dataset cannot be divided over replicas."""
+  if (variable.synchronization == tf.VariableSynchronization.ON_READ
+      and variable.aggregation == tf.VariableAggregation.SUM):
+    value = value / replicas
+  value = value.astype(variable.dtype.as_numpy_dtype)
+  if isinstance(variable, tf.distribute.DistributedValues):
+    for copy in variable.values:
+      copy.assign(value)
+  else:
+    variable.assign(value)
+
+
+def _unique(name, taken):
+  """``name``, or ``name_1``, ``name_2``, ... if taken (then marked taken): tf_keras'
+  ``.h5`` file keys the optimizer's variables by name, so two states of one variable
+  (the FFT compressor's) or two variables whose paths differ only by "/" and "_" must
+  not share one."""
+  unique, suffix = name, 0
+  while unique in taken:
+    suffix += 1
+    unique = f"{name}_{suffix}"
+  taken.add(unique)
+  return unique
 
 
 def _key(variable):

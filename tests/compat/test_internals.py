@@ -697,3 +697,26 @@ def test_ema_hooks_are_what_apply_calls_for_the_average():
   optimizer.apply([tf.ones(2)], [variable])
   canaries.require(not np.array_equal(average.numpy(), np.zeros(2, np.float32)), name, user,
                    f"outside deferred(), apply updates the average: {average.numpy()}")
+
+
+def test_tf_keras_private_names_the_tf_keras_wrapper_relies_on():
+  """tf_adacomp.tf_keras builds a legacy inner optimizer with ``_create_all_weights`` (as
+  tf_keras' own .h5 loader does) and lists its checkpoint children through
+  ``AutoTrackable._trackable_children`` (bypassing tf_keras' cached answer)."""
+  tf_keras = pytest.importorskip("tf_keras")
+  user = "tf_adacomp.tf_keras"
+  name = "`tf_keras.optimizers.legacy.Optimizer._create_all_weights`"
+  variable = tf.Variable(np.zeros(2, np.float32))
+  legacy = tf_keras.optimizers.legacy.SGD(0.1, momentum=0.9)
+  with canaries.watching(name, user):
+    legacy._create_all_weights([variable])  # pylint: disable=protected-access
+  canaries.require(len(legacy.weights) == 2, name, user,
+                   f"it makes the step counter and the momentum: {legacy.weights}")
+  name = "`tf.__internal__.tracking.AutoTrackable._trackable_children`"
+  holder = tf.__internal__.tracking.AutoTrackable()
+  holder.kept = tf.Variable(1.0)
+  with canaries.watching(name, user):
+    children = tf.__internal__.tracking.AutoTrackable._trackable_children(  # pylint: disable=protected-access
+        holder, "checkpoint")
+  canaries.require("kept" in children, name, user,
+                   f"it lists an attribute's variable: {sorted(children)}")

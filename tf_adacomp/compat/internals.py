@@ -78,6 +78,9 @@ they are used; their canaries are in ``tests/compat/test_internals.py`` too:
     (``keras/src/optimizers/base_optimizer.py``, ``keras/src/backend/tensorflow/optimizer.py``).
   - ``_check_variables_are_known``: Keras' "Unknown variable" ValueError, raised by
     ``apply`` before a step on a variable it was not built with.
+- ``tf_keras.py``: ``tf_keras.optimizers.legacy.Optimizer._create_all_weights`` (a legacy
+  inner optimizer's build) and ``tf.__internal__.tracking.AutoTrackable._trackable_children``
+  (the wrapper's checkpoint children, past tf_keras' cached answer).
 - ``ema.py``: ``UPDATE``, ``OVERWRITE`` and ``AVERAGES``, the base optimizer's EMA methods
   (replaced on the inner optimizer instance) and its averages.
 - ``replica_steps.py`` (for both optimizer wrappers):
