@@ -120,3 +120,12 @@ def test_bad_arguments_are_named(script, flags, named):
   of a second, fast tier."""
   result = _run(script, *flags, timeout=120)
   assert result.returncode == 2 and named in result.stderr, result.stderr
+
+
+@pytest.mark.slow
+def test_resume_drift_is_exact_for_sgd_and_not_for_adam(tmp_path):
+  _ok(_run("resume_drift.py", f"--json={tmp_path / 'r.json'}"))
+  with open(tmp_path / "r.json") as f:
+    drift = json.load(f)["max_abs_difference"]
+  assert drift["SGD(0.05, momentum=0.9)"] < 1e-5, drift  # linear in its state
+  assert min(v for k, v in drift.items() if k.startswith("Adam")) > 1e-4, drift
