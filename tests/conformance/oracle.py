@@ -457,6 +457,20 @@ FOUND_DEFECTS: Dict[str, Defect] = {
         "in the last --full run of issue 43's session)",
         lambda c: (_wrapper(c) and c.local_steps > 1 and c.devices_per_worker == 2
                    and c.replicas == 2 and c.event == "keras")),
+    "G": Defect(
+        "local_steps=3 under mixed_float16 without a strategy, a .keras save loaded onto "
+        "another replica count ('keras_other'): the weights end NaN (not diagnosed; seen "
+        "in issue 43's fresh-clone run)",
+        lambda c: (_wrapper(c) and c.local_steps > 1 and getattr(c, "mixed", False)
+                   and c.no_strategy and c.event == "keras_other")),
+    "H": Defect(
+        "Adam/AdamW with the shared moment on 4 replicas, tf.train.Checkpoint resume: "
+        "7.6e-4 from the replay, past its tolerance (each replica's first moment comes "
+        "back as the mean, and the bound between averages is per replica, so 'shared' "
+        "is not linear there either: defect 6; seen in issue 43's fresh-clone run)",
+        lambda c: (_wrapper(c) and c.inner == "adamw" and c.second_moment == "shared"
+                   and c.precondition == "after" and c.replicas == 4
+                   and c.event == "checkpoint")),
     "E": Defect(
         "the tf_keras wrapper, as issue 43's defect 6: a 2-replica resume of Adam under "
         "the update exchange differs from the uninterrupted run (each replica's own "
