@@ -77,6 +77,19 @@ def test_one_replica_is_keras_bit_for_bit(config, tmp_path):
   oracle.compare(config, ours, keras_run, how=oracle.EXACT)
 
 
+def test_the_replay_is_keras_under_mixed_precision_on_two_replicas(tmp_path):
+  """Where plain Keras and the replay both are references (SGD, the update exchange, one
+  step a round: linear in the gradient), they agree under mixed_float16 on 2 replicas:
+  the replay's float16 backward pass sees what Keras' does, each replica's loss divided
+  by the replica count before the loss scale (defect G: with the whole scale a shard's
+  gradient overflowed to inf in the replay at step 5, and its weights ended NaN)."""
+  config = oracle.Config(replicas=2, mixed=True)
+  assert oracle.reference_kind(config) == "keras"
+  keras_run = oracle.train(config, False, str(tmp_path))
+  replayed = oracle.replay(config, keras_run.start)
+  oracle.compare(config, replayed, keras_run, how=oracle.MIXED)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["shared", "global"])
 def test_precondition_after_is_before_without_compression(mode, tmp_path):
