@@ -337,7 +337,7 @@ TARGETED = (
     Config(inner="adam", local_clipnorm=CLIPNORM, model="embedding"),    # C
     Config(inner="adam", second_moment="global", precondition="after", replicas=4),
     Config(local_steps=3, replicas=2, event="keras"),                    # F
-    Config(local_steps=3, mixed=True, event="keras_other"),              # G
+    Config(local_steps=3, mixed=True, event="keras_other"),  # G: the replay, fixed
 )
 
 
