@@ -73,6 +73,7 @@ def test_a_saved_file_restores_the_optimizer_state_with_and_without_a_strategy(
   saved = _state(model.optimizer)
   residues = [r for state in model.optimizer.residues for r in state]
   assert any(np.any(r.numpy()) for r in residues)  # adacomp has held some back
+  own = {r.name: _shares(r) for r in residues}
   path = str(tmp_path / f"model{SUFFIX[fmt]}")
   model.save(path)
 
@@ -89,6 +90,12 @@ def test_a_saved_file_restores_the_optimizer_state_with_and_without_a_strategy(
       np.testing.assert_allclose(found[name], value, rtol=1e-6, atol=1e-7, err_msg=name)
     replicas = loaded_on or 1
     for residue in (r for state in optimizer.residues for r in state):
+      if fmt == "keras" and loaded_on == saved_on:
+        # As many replicas (2): each gets its own residue back (tf_adacomp.replica_state;
+        # the .h5 format cannot keep the copies: the sum split evenly, below).
+        for share, expected in zip(_shares(residue), own[residue.name]):
+          np.testing.assert_array_equal(share, expected, err_msg=residue.name)
+        continue
       for share in _shares(residue):  # the sum split evenly over the replicas present
         np.testing.assert_allclose(share, saved[residue.name] / replicas, rtol=1e-6,
                                    atol=1e-7, err_msg=residue.name)

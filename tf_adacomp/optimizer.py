@@ -28,9 +28,12 @@ Modelled on Keras' ``LossScaleOptimizer``. Two exchanges (``exchange=``; the def
 
   Per-replica optimizer state: the inner optimizer's slots are created ``on_read`` with
   ``mean`` aggregation, so each replica keeps its own copy (as the residues do); reading
-  a slot in cross-replica context, a checkpoint and ``model.save`` give the mean of the
-  replicas' copies, and a restore gives that mean to every replica (across workers too
-  under ``MultiWorkerMirroredStrategy``).
+  a slot in cross-replica context gives the mean of the replicas' copies. A checkpoint
+  and ``model.save`` (``.keras``) keep that mean and, with 2+ replicas, every replica's
+  copy besides (``tf_adacomp.replica_state``): a restore onto as many replicas gives
+  each its own copy back (across workers too under ``MultiWorkerMirroredStrategy``),
+  so a resumed run is the one that was saved; onto another replica count every replica
+  gets the mean (a residue an even share of the sum).
 
 Adam and AdamW under the update exchange: each replica's own step is not linear in its
 gradient, so by default (``second_moment="global"``) every replica divides its own first
@@ -71,6 +74,7 @@ from tf_adacomp import ema
 from tf_adacomp import exchange as exchange_lib
 from tf_adacomp import hierarchy as hierarchy_lib
 from tf_adacomp import local_steps as local_steps_lib
+from tf_adacomp import replica_state
 from tf_adacomp import replica_steps
 from tf_adacomp import scaling
 from tf_adacomp import shared_moment
@@ -443,6 +447,10 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       super().build(var_list)
     finally:
       self._reading_own_settings = False
+    # A checkpoint keeps each replica's own copy of the per-replica state (residues, the
+    # inner optimizer's slots): a resume on as many replicas is the run that was saved.
+    # Last, once every variable has its value from a restore under way.
+    replica_state.attach(self.variables)
 
   def _add_moment_variables(self, var_list, suffix, aggregation="mean"):
     """One float variable per variable of ``var_list``, a value per replica, stored as
@@ -460,7 +468,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     ``on_read`` synchronization keeps a separate copy on every replica. A floating
     state (a residue) has ``sum`` aggregation: a checkpoint stores the sum of the
     replicas' residues (the total not yet sent) and a restore splits it evenly, so
-    nothing is lost across a restore, whatever the number of replicas then. An integer
+    nothing is lost across a restore, whatever the number of replicas then (onto as
+    many replicas, each gets its own back: ``tf_adacomp.replica_state``). An integer
     state (the FFT compressor's step counter) is the same on every replica: a checkpoint
     stores the first replica's and a restore gives it to every replica (summed, a restore
     with fewer replicas would move the theta schedule forward;
@@ -485,6 +494,14 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
   def variables(self):
     outer = [] if isinstance(self.outer_optimizer, str) else self.outer_optimizer.variables
     return self._variables + self.inner_optimizer.variables + outer
+
+  @property
+  def replica_state(self):
+    """Each replica's own copy of the per-replica state, as a ``.keras`` file keeps it
+    (``tf_adacomp.replica_state.FileCopies``; Keras saves and loads it after
+    ``inner_optimizer``, whose entry holds the replicas' means). Empty before ``build``
+    and with one replica."""
+    return replica_state.FileCopies(self.variables if self.built else [])
 
   # --- Applying gradients ----------------------------------------------------------
 

@@ -17,7 +17,8 @@ exchanges of the Keras 3 wrapper (``exchange=``):
 - ``"updates"`` (the default for a ``tf_keras.optimizers.Optimizer`` with
   ``reduction="sum"``): each replica
   steps the inner optimizer on its own mean gradient with its own slots (momentum, Adam
-  moments: one value per replica, stored in checkpoints as their mean), and every
+  moments: one value per replica, stored in checkpoints as their mean and, for a
+  restore onto as many replicas, each replica's copy: see below), and every
   replica sets its weights to the weights before the step plus the mean of the
   replicas' compressed updates. For SGD with momentum this is Deep Gradient
   Compression's momentum correction; without compression it is the plain optimizer's
@@ -37,7 +38,13 @@ the weights nor the residues.
 The residues are the wrapper's variables, one value per replica: a ``tf.train.Checkpoint``
 of the model or optimizer (``ModelCheckpoint``, ``BackupAndRestore``,
 ``model.save_weights``) stores their sum and a restore splits it over the replicas then
-present, as in the Keras 3 wrapper. ``model.save`` to a ``.keras`` or ``.h5`` file keeps
+present, as in the Keras 3 wrapper. With 2+ replicas a checkpoint and a ``.keras`` file
+also keep every replica's own copy of each per-replica state (residues, slots:
+``tf_adacomp.replica_state``), which a restore onto as many replicas gives back to each,
+so that the resumed run is the one that was saved; the legacy ``.h5`` format cannot
+(tf_keras writes its optimizer entries from ``variables`` and reads them back through
+``set_weights``): from it every replica gets the slots' mean and an even share of the
+residues' sum. ``model.save`` to a ``.keras`` or ``.h5`` file keeps
 the same state (the residues' sum, the inner optimizer's step counter and slots) and
 ``tf_keras.models.load_model`` restores it, with or without a strategy scope
 (``load_weights`` into a model whose optimizer has not stepped yet keeps the state until
@@ -69,6 +76,7 @@ from tf_adacomp import distribute
 from tf_adacomp import exchange as exchange_lib
 from tf_adacomp import hierarchy as hierarchy_lib
 from tf_adacomp import optimizer as optimizer_lib
+from tf_adacomp import replica_state
 from tf_adacomp import replica_steps
 from tf_adacomp import stats
 from tf_adacomp.compressors import registry
@@ -215,12 +223,24 @@ class CompressedOptimizer(tf_keras.optimizers.Optimizer):
     pending, self._pending_state = self._pending_state, None
     if pending is not None:
       self._assign_state(*pending)
+    # A checkpoint keeps each replica's own copy of the per-replica state (residues, the
+    # inner optimizer's slots): a resume on as many replicas is the run that was saved.
+    # Last, once every variable has its value from a restore under way.
+    replica_state.attach(self.variables)
 
   @property
   def variables(self):
     """The wrapper's variables (residues, ``bytes_sent``), then the inner optimizer's."""
     inner = self.inner_optimizer.variables
     return list(self._variables) + list(inner() if callable(inner) else inner)
+
+  @property
+  def _replica_state(self):
+    """Each replica's own copy of the per-replica state, as a ``.keras`` file keeps it
+    (``tf_adacomp.replica_state``). tf_keras saves and loads an optimizer's attributes
+    in reverse name order: this name comes after ``inner_optimizer``, whose entry holds
+    the replicas' means. Empty before ``build`` and with one replica."""
+    return _FileCopies(self.variables if self._built else [])
 
   # --- Applying gradients ----------------------------------------------------------
 
@@ -525,6 +545,23 @@ class CompressedOptimizer(tf_keras.optimizers.Optimizer):
     config["devices_per_worker"] = hierarchy_lib.saved_devices_per_worker(
         config.get("devices_per_worker"))
     return cls(inner, **config)
+
+
+class _FileCopies(replica_state.FileCopiesMixin, tf_keras.losses.Loss):
+  """``replica_state.FileCopiesMixin`` for tf_keras' ``.keras`` saving, which visits
+  only layers, optimizers, metrics and losses among an object's attributes: a Loss that
+  computes nothing.
+
+  Args:
+    variables: the optimizer's variables (those that ``is_per_replica`` are kept).
+  """
+
+  def __init__(self, variables):
+    super().__init__(name="replica_state")
+    self._set_copied(variables)
+
+  def call(self, y_true, y_pred):
+    raise NotImplementedError("The per-replica state of a file is not a loss.")
 
 
 def _build_inner(optimizer, var_list):

@@ -593,7 +593,8 @@ def test_private_framework_modules_are_imported_only_where_listed():
       "tf_adacomp/compat/internals.py": {"tensorflow.python.eager",
                                          "tensorflow.python.distribute",
                                          "tensorflow.compiler.xla.tsl.protobuf",
-                                         internals.KERAS_TENSORFLOW_TRAINER},
+                                         internals.KERAS_TENSORFLOW_TRAINER,
+                                         internals.KERAS_SAVEABLE},
       "tf_adacomp/cross_device_ops.py": {"tensorflow.python.distribute",
                                          "tensorflow.python.ops"},
   }
@@ -634,6 +635,63 @@ def test_trackable_hooks_save_and_restore_compressed_all_reduce_states(tmp_path)
                    f"_restore_from_tensors sums 2 devices' values onto 1, got {split}")
   canaries.require(restored.states[0][0].numpy().tolist() == [5.0, 6.0], name, user,
                    "a checkpoint of the per-device layout restores through _lookup_dependency")
+
+
+def test_checkpoint_child_of_a_variable_is_saved_and_restored_after_it(tmp_path):
+  """What replica_state relies on: a child tracked on a distributed variable (Keras 3's
+  and tf.distribute's) is saved with it and restored after it, in one restore and in a
+  deferred one (the variable made after the restore began)."""
+  name = ("`Trackable._track_trackable` and `_lookup_dependency` on a variable, and a "
+          "restore's parent-before-child order")
+  user = "replica_state.attach (each replica's copy of a per-replica state)"
+  order = []
+
+  class Child(tf.__internal__.tracking.Trackable):
+    def __init__(self, variable):
+      self.variable = variable
+
+    def _serialize_to_tensors(self):
+      return {"value": tf.constant(7.0)}
+
+    def _restore_from_tensors(self, restored_tensors):
+      order.append(("child", float(self.variable.numpy())))
+      return tf.no_op()
+
+  strategy = _mirrored()
+
+  def holder(value):
+    module = tf.Module()
+    with strategy.scope():
+      module.v = keras.Variable(value, aggregation="mean", synchronization="on_read")
+    return module
+
+  with canaries.watching(name, user):
+    saved = holder(3.0)
+    internals.add_checkpoint_child(saved.v, "child", Child(saved.v))
+    found = internals.checkpoint_child(saved.v, "child")
+    path = tf.train.Checkpoint(m=saved).write(str(tmp_path / "ckpt"))
+    keys = [key for key, _ in tf.train.list_variables(path)]
+    restored = holder(0.0)
+    internals.add_checkpoint_child(restored.v, "child", Child(restored.v))
+    tf.train.Checkpoint(m=restored).read(path).assert_consumed()
+    deferred = tf.Module()
+    tf.train.Checkpoint(m=deferred).read(path)
+    with strategy.scope():
+      deferred.v = keras.Variable(0.0, aggregation="mean", synchronization="on_read")
+    internals.add_checkpoint_child(deferred.v, "child", Child(deferred.v))
+  canaries.require(isinstance(found, Child), name, user, f"_lookup_dependency gave {found!r}")
+  canaries.require("m/v/child/.ATTRIBUTES/value" in keys, name, user,
+                   f"the child's tensor is saved under the variable, got {keys}")
+  canaries.require(order == [("child", 3.0), ("child", 3.0)], name, user,
+                   f"the child restored after its variable's value (3.0), got {order}")
+
+
+def test_keras_saveable_is_what_keras_files_save():
+  name, user = f"`{internals.KERAS_SAVEABLE}.KerasSaveable`", "replica_state.FileCopies"
+  with canaries.watching(name, user):
+    saveable = internals.keras_saveable_class()
+  canaries.require(isinstance(keras.optimizers.Adam(), saveable), name, user,
+                   f"a Keras optimizer is not a {saveable!r}")
 
 
 # --- tf_keras.py: the tf_keras wrapper -------------------------------------------------

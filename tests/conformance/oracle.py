@@ -409,15 +409,8 @@ def _resume(c) -> bool:
 # entry. Keyed by the issue's defect number. (Defects 1, 2, 3, 5, 7, 8 and 9 pass at
 # the time of writing, their targeted configurations (``TARGETED``) included: no entry.)
 KNOWN_DEFECTS: Dict[str, Defect] = {
-    "6": Defect(
-        "a 2+-replica resume (.keras or tf.train.Checkpoint) of Adam/AdamW 'none' differs "
-        "from the uninterrupted run (each replica's own moments come back as their mean)",
-        # "shared" is linear in each replica's first moment (the mean of the replicas'
-        # steps depends on their mean only) and the gradient exchange keeps one state:
-        # those resume as they ran.
-        lambda c: (_wrapper(c) and c.inner != "sgd" and c.exchange == "updates"
-                   and resolved_second_moment(c) in ("local", "global") and c.replicas > 1
-                   and _resume(c))),
+    # Defect 6 (a 2+-replica resume of Adam/AdamW under the update exchange gave every
+    # replica the mean of the replicas' moments) is fixed: tf_adacomp.replica_state.
 }
 
 # Defects the oracle found that issue 43 does not list (the report that came with this
@@ -453,36 +446,21 @@ FOUND_DEFECTS: Dict[str, Defect] = {
         "min(1, c / norm), Keras by c * min(1 / norm, 1 / c) (6e-8 after 6 SGD steps)",
         lambda c: _wrapper(c) and max(c.counts) == 1 and c.local_clipnorm is not None,
         exact_only=True),
-    "F": Defect(
-        "local_steps > 1 with SGD's momentum on 2+ replicas, a resume (.keras or "
-        "tf.train.Checkpoint) onto as many replicas: each replica's own momentum comes "
-        "back as the replicas' mean (issue 43's defect 6, for SGD: within a round each "
-        "replica steps its own weights with its own momentum, so the mean does not give "
-        "the same rounds; 4.2e-3 after 3 more steps on 2 replicas, and bit for bit the "
-        "replay given the mean momentum at the cut). Not the hierarchy's: without "
-        "devices_per_worker, v1 or weight decay it is the same 4.2e-3. The fix is the "
-        "per-replica state in the save",
-        lambda c: (_wrapper(c) and c.inner == "sgd" and c.local_steps > 1 and c.replicas > 1
-                   and _resume(c))),
-    "H": Defect(
-        "Adam/AdamW with the shared moment on 4 replicas, tf.train.Checkpoint resume: "
-        "7.6e-4 from the replay, past its tolerance (each replica's first moment comes "
-        "back as the mean, and the bound between averages is per replica, so 'shared' "
-        "is not linear there either: defect 6; seen in issue 43's fresh-clone run)",
-        lambda c: (_wrapper(c) and c.inner == "adamw" and c.second_moment == "shared"
-                   and c.precondition == "after" and c.replicas == 4
-                   and c.event == "checkpoint")),
     "E": Defect(
-        "the tf_keras wrapper, as issue 43's defect 6: a 2-replica resume of Adam under "
-        "the update exchange differs from the uninterrupted run (each replica's own "
-        "moments come back as their mean; 6e-3 after 3 more steps)",
+        "the tf_keras wrapper, as issue 43's defect 6, in the legacy .h5 format only "
+        "(tf.train.Checkpoint and .keras keep each replica's copy, tf_adacomp.replica_state): "
+        "a 2-replica resume of Adam under the update exchange from .h5 differs from the "
+        "uninterrupted run (each replica's own moments come back as their mean; 6e-3 "
+        "after 3 more steps). tf_keras writes an .h5 file's optimizer entries from "
+        "`optimizer.variables` and loads them through `set_weights`, with no room for "
+        "the copies",
         lambda c: _tf_keras_local_adam_resume(c)),
 }
 
 
 def _tf_keras_local_adam_resume(c) -> bool:
   return (getattr(c, "tf_keras", False) and c.exchange == "updates" and c.inner == "adam"
-          and c.replicas > 1 and c.event in ("checkpoint", "keras", "h5"))
+          and c.replicas > 1 and c.event == "h5")
 
 
 def B_APPLIES(c) -> bool:  # pylint: disable=invalid-name

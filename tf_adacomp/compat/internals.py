@@ -100,6 +100,15 @@ they are used; their canaries are in ``tests/compat/test_internals.py`` too:
   ``_serialize_to_tensors`` and ``_restore_from_tensors`` (one stacked tensor per state,
   split on restore) and ``_lookup_dependency`` (checkpoints of the earlier per-device
   layout).
+- ``replica_state`` (per-replica state across a save and load, both optimizer wrappers):
+  ``checkpoint_child(obj, name)`` and ``add_checkpoint_child(obj, name, child)``,
+  ``Trackable._lookup_dependency`` and ``Trackable._track_trackable`` on a variable
+  (a ``tf.distribute`` variable or a Keras 3 variable, both Trackables), whose child
+  holds each replica's copy; that child a ``tf.__internal__.tracking.Trackable`` through
+  ``_serialize_to_tensors`` and ``_restore_from_tensors``; and
+  ``keras_saveable_class()``, ``keras.src.saving.keras_saveable.KerasSaveable``, the
+  base of what Keras 3's ``.keras`` saving visits (``save_own_variables``,
+  ``load_own_variables``), which Keras does not export.
 - ``compat.loss_scale``: replaces the public ``LossScaleOptimizer.check_finite`` on the
   class, relying on Keras' ``_tf_apply`` and ``_common_apply`` deciding through it.
 - ``resist/trainer.py``: ``optimizer.ALL_REDUCE_HOOK`` (above), set and deleted on the
@@ -124,12 +133,16 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 
 __all__ = [
+    "KERAS_SAVEABLE",
     "KERAS_TENSORFLOW_TRAINER",
+    "add_checkpoint_child",
+    "checkpoint_child",
     "configure_coordination_service",
     "cross_device_ops_of",
     "eager_context_initialized",
     "flatten_layers",
     "in_multi_worker_mode",
+    "keras_saveable_class",
     "keras_tensorflow_trainer",
     "multi_worker_local_devices",
     "own_distribute_strategy",
@@ -139,6 +152,7 @@ __all__ = [
 ]
 
 KERAS_TENSORFLOW_TRAINER = "keras.src.backend.tensorflow.trainer"
+KERAS_SAVEABLE = "keras.src.saving.keras_saveable"
 
 
 def cross_device_ops_of(strategy):
@@ -260,6 +274,25 @@ def own_collective_keys_per_strategy(allocate: Callable[[], int]) -> None:
   for cls in _mirrored_strategy_classes():
     if not isinstance(cls.__dict__.get("_collective_key_base"), _CollectiveKeyBasePerInstance):
       cls._collective_key_base = _CollectiveKeyBasePerInstance(allocate)  # pylint: disable=protected-access
+
+
+def checkpoint_child(obj, name: str):
+  """The checkpoint child ``name`` of the Trackable ``obj`` (None if it has none):
+  ``Trackable._lookup_dependency``. Used by ``replica_state.attach``."""
+  return obj._lookup_dependency(name)  # pylint: disable=protected-access
+
+
+def add_checkpoint_child(obj, name: str, child) -> None:
+  """Adds ``child`` as the checkpoint child ``name`` of the Trackable ``obj`` (a
+  variable): ``Trackable._track_trackable``, which also restores it from a restore of
+  ``obj``'s checkpoint still under way. Used by ``replica_state.attach``."""
+  obj._track_trackable(child, name, overwrite=True)  # pylint: disable=protected-access
+
+
+def keras_saveable_class():
+  """``keras.src.saving.keras_saveable.KerasSaveable``: what Keras 3's ``.keras`` saving
+  visits among an object's attributes. Used by ``replica_state.FileCopies``."""
+  return importlib.import_module(KERAS_SAVEABLE).KerasSaveable
 
 
 def flatten_layers(model, include_self: bool = False) -> List:
