@@ -7,6 +7,7 @@ import tensorflow as tf
 import tf_adacomp
 from tf_adacomp import exchange
 from tf_adacomp import stats
+from tf_adacomp.compressors import registry
 
 DEVICES = ["/cpu:0", "/cpu:1"]  # 2 replicas: XLA compiles every kernel once per device
 
@@ -148,3 +149,43 @@ def test_decode_reads_one_incoming_record(reduction):
   assert summable == [1] and len(outs[0].gathered) >= 1
   for got, want in zip(decoded, totals[0]):
     np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+@pytest.mark.parametrize("compressor", ["none", "adacomp"])
+def test_slices_without_a_static_shape_are_exchanged_dense(compressor):
+  """An IndexedSlices gradient whose ``dense_shape`` is not static (LossScaleOptimizer's
+  unscaled slices of an Embedding) is summed into its rows, with the plan's shape: the
+  joined all-reduce needs it (a TypeError on ``num_elements()`` before)."""
+  compressor = registry.get_compressor(compressor)
+  plans = [compressor.plan([5, 2], tf.float32, "embeddings")]
+  values = np.arange(6, dtype=np.float32).reshape(3, 2)
+  indices = np.array([1, 1, 4], np.int32)
+
+  @tf.function(input_signature=[tf.TensorSpec([None], tf.int32)])
+  def exchanged(dense_shape):  # the shape known only when the function runs
+    grad = tf.IndexedSlices(tf.constant(values), tf.constant(indices), dense_shape)
+    return exchange.replica_exchange(compressor, plans, [grad],
+                                     [compressor.init(plans[0])]).sums[0]
+
+  total = exchanged(tf.constant([5, 2], tf.int32)).numpy()
+  expected = np.zeros([5, 2], np.float32)
+  np.add.at(expected, indices, values)
+  if compressor.name == "none":
+    np.testing.assert_array_equal(total, expected)
+  else:  # AdaComp sends a part, with its residue: the shape is what matters here
+    assert total.shape == (5, 2)
+
+
+def test_an_exchange_sends_exactly_only_whole_summed_gradients():
+  """Where ``CompressedOptimizer`` may send an IndexedSlices by the strategy's own
+  all-reduce: a gradient sent whole and summed, nothing that a compressor or Adasum
+  changes."""
+  plan = lambda c: c.plan([100, 4], tf.float32, "embeddings")  # noqa: E731
+  assert exchange.Exchange("none").sends_exactly(plan(exchange.Exchange("none").compressor))
+  assert not exchange.Exchange("none", "adasum").sends_exactly(
+      plan(exchange.Exchange("none").compressor))
+  for name in ("adacomp", "topk", "fp16"):
+    compressor = registry.get_compressor(name)
+    assert not exchange.Exchange(compressor).sends_exactly(plan(compressor)), name
+  small = tf_adacomp.AdaComp(min_size=10_000)  # below min_size: sent dense, as it is
+  assert exchange.Exchange(small).sends_exactly(plan(small))

@@ -18,6 +18,7 @@ from replica_harness import (DEVICES, PER_REPLICA, assert_replicas_hold, data, f
                              linear_model, np_topk, own_mean_gradients, replica_values,
                              replica_weights, shards)
 from tf_adacomp import optimizer as optimizer_module
+from tf_adacomp import replica_steps
 
 LR, MOMENTUM = 0.05, 0.9
 # A large epsilon: Adam's first step is +-learning_rate on every element otherwise, and
@@ -200,6 +201,101 @@ def test_local_clipnorm_clips_each_replicas_own_gradient(exchange):
     expected = weights
   assert any(clipped) and not all(clipped), clipped  # the threshold bites, not always
   assert_replicas_hold(model, strategy, expected)
+
+
+@pytest.mark.parametrize("kind", ["dense", "slices"])
+def test_local_clipnorm_is_keras_global_clipnorm_bit_for_bit(kind):
+  """``replica_steps.clip_by_global_norm`` is Keras' ``global_clipnorm``, read off a
+  Keras SGD with learning rate 1 from zero weights (its weights are minus its clipped
+  gradient, exactly): ``c * min(1 / norm, 1 / c)``, not ``min(1, c / norm)`` (an ulp
+  apart), and an IndexedSlices' norm from its slices' squares, the result dense."""
+  rng = np.random.default_rng(0)
+  for _ in range(50):
+    clipnorm = float(rng.uniform(0.05, 3.0))
+    dense = tf.constant(rng.standard_normal([4, 3]).astype(np.float32))
+    if kind == "slices":  # duplicate rows: their slices, not their sum, enter the norm
+      first = tf.IndexedSlices(tf.constant(rng.standard_normal([7, 2]).astype(np.float32)),
+                               tf.constant([0, 0, 2, 2, 2, 4, 1]), tf.constant([5, 2]))
+    else:
+      first = tf.constant(rng.standard_normal([5, 2]).astype(np.float32))
+    grads = [first, dense]
+    variables = [keras.Variable(np.zeros([5, 2], np.float32)),
+                 keras.Variable(np.zeros([4, 3], np.float32))]
+    keras.optimizers.SGD(1.0, global_clipnorm=clipnorm).apply(grads, variables)
+    ours = replica_steps.clip_by_global_norm(grads, clipnorm)
+    for clipped, variable in zip(ours, variables):
+      assert isinstance(clipped, tf.Tensor)
+      np.testing.assert_array_equal(-clipped.numpy(), variable.numpy(),
+                                    err_msg=f"clipnorm={clipnorm}")
+
+
+def _embedding_fit(optimizer, replicas, steps=4, mixed=False):
+  """``model.fit`` of an Embedding whose every row repeats its first token (IndexedSlices
+  gradients with duplicate rows) under a ``replicas``-device MirroredStrategy."""
+  rng = np.random.default_rng(5)
+  tokens = rng.integers(0, 12, size=(8 * steps, 6)).astype(np.int32)
+  tokens[:, 1] = tokens[:, 0]
+  targets = rng.standard_normal([8 * steps, 3]).astype(np.float32)
+  strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES[:replicas])
+  previous = keras.config.dtype_policy()
+  if mixed:
+    keras.config.set_dtype_policy("mixed_float16")
+  try:
+    with strategy.scope():
+      keras.utils.set_random_seed(0)
+      model = keras.Sequential([keras.Input([6], dtype="int32"), keras.layers.Embedding(12, 4),
+                                keras.layers.Flatten(), keras.layers.Dense(3)])
+      model.compile(optimizer=optimizer(), loss="mse")
+    model.fit(tokens, targets, batch_size=8, epochs=1, verbose=0, shuffle=False)
+  finally:
+    keras.config.set_dtype_policy(previous)
+  return model.get_weights()
+
+
+_INNER = {"sgd": lambda **kw: keras.optimizers.SGD(LR, momentum=MOMENTUM, **kw),
+          "adam": lambda **kw: keras.optimizers.Adam(0.01, **kw)}
+
+
+@pytest.mark.parametrize("exchange,inner,clipnorm", [
+    ("updates", "sgd", None), ("gradients", "adam", None), ("updates", "sgd", 0.5),
+    pytest.param("gradients", "sgd", None, marks=pytest.mark.slow),
+    pytest.param("updates", "adam", None, marks=pytest.mark.slow),
+    pytest.param("gradients", "adam", 0.5, marks=pytest.mark.slow)])
+def test_one_replica_on_an_embedding_is_the_inner_optimizer_bit_for_bit(exchange, inner,
+                                                                          clipnorm):
+  """One replica, "none": the inner optimizer steps on the Embedding's IndexedSlices as
+  Keras does (Adam adds the slices' squares to its second moment: the square of the
+  summed rows is 1e-2 off; SGD's sparse update rounds otherwise than a dense one), and
+  ``local_clipnorm=c`` is ``global_clipnorm=c``, bit for bit."""
+  clip = {} if clipnorm is None else {"global_clipnorm": clipnorm}
+  plain = _embedding_fit(lambda: _INNER[inner](**clip), 1)
+  wrapped = _embedding_fit(lambda: tf_adacomp.CompressedOptimizer(
+      _INNER[inner](), "none", exchange=exchange, second_moment="local" if inner == "adam"
+      else None, local_clipnorm=clipnorm), 1)
+  for a, b in zip(plain, wrapped):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_gradient_exchange_of_an_embedding_is_keras_on_two_replicas():
+  """Two replicas, "none", Adam: the replicas' IndexedSlices go joined, as Keras' own
+  all-reduce sends them, and Adam adds every slice's square (the dense sum's square is
+  1e-2 off after 4 steps); within float rounding of Keras under the same strategy."""
+  plain = _embedding_fit(lambda: keras.optimizers.Adam(0.01), 2)
+  wrapped = _embedding_fit(lambda: tf_adacomp.CompressedOptimizer(
+      keras.optimizers.Adam(0.01), "none", exchange="gradients"), 2)
+  for a, b in zip(plain, wrapped):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)
+
+
+def test_gradient_exchange_of_an_embedding_under_mixed_float16_is_keras():
+  """LossScaleOptimizer's unscaled IndexedSlices have no static shape: the gradient
+  exchange takes them (a TypeError in the joined all-reduce before), and one replica is
+  Keras bit for bit."""
+  plain = _embedding_fit(lambda: keras.optimizers.Adam(0.01), 1, mixed=True)
+  wrapped = _embedding_fit(lambda: tf_adacomp.CompressedOptimizer(
+      keras.optimizers.Adam(0.01), "none", exchange="gradients"), 1, mixed=True)
+  for a, b in zip(plain, wrapped):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_update_exchange_skips_a_step_with_a_non_finite_gradient_on_one_replica():

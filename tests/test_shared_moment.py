@@ -466,6 +466,18 @@ def test_one_replica_on_repeated_tokens_is_keras_adam_bit_for_bit():
     np.testing.assert_array_equal(a, b)
 
 
+def test_one_replica_local_clipnorm_on_an_embedding_is_keras_global_clipnorm():
+  # Keras' global_clipnorm takes the norm of the slices and hands Adam the clipped
+  # gradient dense: v gets the square of the clipped, summed rows (the slices' squares
+  # are 1e-2 off), bit for bit with the shared moment of one replica.
+  adam = {"learning_rate": 0.01}
+  plain = _token_fit(lambda: keras.optimizers.Adam(global_clipnorm=0.5, **adam), 1, 6)
+  one = _token_fit(_shared(lambda: keras.optimizers.Adam(**adam), mode="global",
+                           local_clipnorm=0.5), 1, 6)
+  for a, b in zip(plain.get_weights(), one.get_weights()):
+    np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("mode", ["shared", "global"])
 def test_precondition_after_is_before_without_compression(mode):
   # 2 replicas, 8 steps (averages at 1, 2, 4, 8): between averages both bound each

@@ -37,6 +37,7 @@ import tensorflow as tf
 from tf_adacomp import hierarchy as hierarchy_lib
 from tf_adacomp import stats
 from tf_adacomp.compressors import base
+from tf_adacomp.compressors import cast
 from tf_adacomp.compressors import registry
 from tf_adacomp.ops import adasum as adasum_ops
 
@@ -245,6 +246,14 @@ class Exchange:
     self.compressor = registry.get_compressor(compressor)
     self.reduction = get_reduction(reduction)
 
+  def sends_exactly(self, plan: base.TensorPlan) -> bool:
+    """Whether this exchange sums a gradient of ``plan`` exactly: sent whole, as it is
+    (``"none"``, or a tensor below the compressor's ``min_size``), with no state, and
+    summed (not Adasum). Such a gradient may take the strategy's own all-reduce
+    instead (an ``IndexedSlices`` then stays one: ``CompressedOptimizer``)."""
+    exact = plan.dense or isinstance(self.compressor, cast.NoCompression)
+    return exact and plan.summable and self.reduction.sums_payloads
+
   # --- Stage 1: on each replica ------------------------------------------------------
 
   def compress(self, plans: Sequence[base.TensorPlan], grads: Sequence[Optional[tf.Tensor]],
@@ -340,6 +349,7 @@ class Exchange:
     if ctx is None:
       raise RuntimeError("replica_exchange must be called in a replica context "
                          "(inside strategy.run or a Keras train step).")
+    grads = [_densified(g, plan) for g, plan in zip(grads, plans)]
     if hierarchy is not None:
       return self._hierarchical_exchange(hierarchy, plans, grads, states, dense)
     out = self.compress(plans, grads, states, dense)
@@ -498,6 +508,7 @@ class Exchange:
     outs, buffers, lengths = [], [], []
     for replica_grads, replica_states, device in zip(grads, states, devices):
       with tf.device(device):  # compressed and trimmed where the gradient is
+        replica_grads = [_densified(g, plan) for g, plan in zip(replica_grads, plans)]
         out = self.compress(plans, replica_grads, replica_states, dense)
         outs.append(out)
         if out.gathered:
@@ -741,6 +752,19 @@ def _padded_stride(lengths, widths: Sequence[int]):
   collective kernels); ``checked_lengths`` then refuses them."""
   longest = tf.reduce_max(tf.reduce_sum(tf.cast(lengths, tf.int64), axis=1))
   return tf.cast(tf.clip_by_value(longest, 1, max(1, sum(widths))), tf.int32)
+
+
+def _densified(grad, plan: base.TensorPlan):
+  """``grad`` as a dense tensor of ``plan.shape``, its static shape set: an
+  ``IndexedSlices`` summed into its rows, and one whose ``dense_shape`` is not static
+  (``LossScaleOptimizer``'s unscaled slices) given the plan's shape, which the joined
+  all-reduce and the compressors need."""
+  if grad is None:
+    return None
+  dense = tf.convert_to_tensor(grad)
+  if dense.shape.is_fully_defined():
+    return dense
+  return tf.ensure_shape(dense, plan.shape)
 
 
 def _marked(total, valid):

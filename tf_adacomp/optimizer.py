@@ -10,7 +10,10 @@ Modelled on Keras' ``LossScaleOptimizer``. Two exchanges (``exchange=``; the def
   inner optimizer with the inner optimizer's own dense all-reduce switched off, so no
   gradient-sized tensor crosses devices. A step whose summed gradient is not finite
   (e.g. float16 overflow) changes nothing: the residues are restored and the inner
-  optimizer is not called.
+  optimizer is not called. An Embedding's ``IndexedSlices`` gradient that the exchange
+  would send as it is (``"none"``, or below the compressor's ``min_size``) takes the
+  strategy's own all-reduce instead, which joins the replicas' slices as Keras' does: the
+  inner optimizer steps on them as Keras' would (Adam adds the slices' squares).
 - ``"updates"`` (the local-optimizer exchange; Horovod's Adasum "delta" mode,
   generalised): each replica first takes the inner optimizer's step on its own mean
   gradient (its gradient times the replica count, since Keras divides every replica's
@@ -188,8 +191,11 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     local_clipnorm: None (default) or a float > 0: each replica's own mean gradient (the
       gradient its local optimizer steps on with ``exchange="updates"``; its gradient
       times the replica count) is clipped to this global norm over all variables before
-      it enters the residue or the local step. One replica with ``local_clipnorm=c`` is
-      the inner optimizer with ``global_clipnorm=c``. DGC clips each node's share of a
+      it enters the residue or the local step, with Keras' arithmetic: scaled by ``c *
+      min(1 / norm, 1 / c)``, an Embedding's IndexedSlices counting its slices' squares
+      in the norm and coming out dense (its duplicate rows summed). One replica with
+      ``local_clipnorm=c`` is the inner optimizer with ``global_clipnorm=c``, bit for
+      bit. DGC clips each node's share of a
       summed gradient at ``T / sqrt(N)``; for a threshold ``T`` meant for the averaged
       gradient that is ``local_clipnorm = T * sqrt(N)`` here.
     second_moment: None (default), "local", "shared" or "global"; Adam's second moment
@@ -207,7 +213,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       unclipped. "global": as "shared", with the second moment of the mean gradient
       estimated from the replicas' own (a replica's smaller batch has R times its
       noise); it also keeps a moving average of each replica's squared first moment. An
-      Embedding's sparse gradient adds its slices' squares, as Keras' Adam does. The
+      Embedding's sparse gradient adds its slices' squares, as Keras' Adam does (clipped
+      by ``local_clipnorm`` it is dense, as Keras' ``global_clipnorm`` makes it). The
       wrapper computes Adam's step itself: the inner optimizer must be an Adam or AdamW
       without ``amsgrad``, clipping (use ``local_clipnorm``), EMA, gradient accumulation
       or loss scale factor. None means ``default_second_moment(inner_optimizer, ...)``:
@@ -521,7 +528,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     plans = [self.plans[i] for i in indices]
     states = [tuple(tf.convert_to_tensor(r.value) for r in self.residues[i]) for i in indices]
     dense = self.iterations < self.start_step if self.start_step else None
-    replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+    ctx = tf.distribute.get_replica_context()
+    replicas = ctx.num_replicas_in_sync
 
     if self.second_moment in ("shared", "global"):
       self._apply_shared_moment(grads, trainable_variables, indices, plans, states, dense)
@@ -531,21 +539,45 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       self._apply_updates(grads, trainable_variables, indices, plans, states, dense)
       self._update_ema(before)
       return
-    if self.local_clipnorm is not None:
-      # Each replica's own mean gradient is grads * replicas: clip it to local_clipnorm.
+    # One replica whose exchange sends every gradient as it is: the sum is its own
+    # gradient, and the clip waits for the inner step (``_apply_own``), as Keras'
+    # global_clipnorm, the documented equivalent, clips inside its own step.
+    clip_after = replicas == 1 and all(
+        self._exchange.sends_exactly(p) for p, g in zip(plans, grads) if g is not None)
+    if self.local_clipnorm is not None and not clip_after:
+      # Each replica's own mean gradient is grads * replicas: clip it to local_clipnorm
+      # (dense afterwards, as Keras' global_clipnorm makes an IndexedSlices).
       grads = replica_steps.clip_by_global_norm(grads, self.local_clipnorm / replicas)
-    exchanged = self._exchange.replica_exchange(plans, grads, states, dense,
-                                                self.hierarchy)
+    # An Embedding's IndexedSlices that the exchange would send whole and exactly go as
+    # Keras' own all-reduce sends them (the replicas' slices joined): the inner Adam then
+    # adds the slices' squares to its second moment, as Keras does, where the dense sum
+    # would give it the square of the summed duplicate rows.
+    slices = [k for k, g in enumerate(grads)
+              if isinstance(g, tf.IndexedSlices) and self._exchange.sends_exactly(plans[k])]
+    rest = [None if k in slices else g for k, g in enumerate(grads)]
+    if any(g is not None for g in rest):
+      exchanged = self._exchange.replica_exchange(plans, rest, states, dense, self.hierarchy)
+    else:  # nothing for the compressed exchange
+      exchanged = exchange_lib.Exchanged(rest, list(states), [None] * len(rest))
     # Keras divides each replica's loss by the replica count, so the sum of the gradients
     # is the mean gradient; with Adasum, Adasum(c * g) = c * Adasum(g) makes this the
     # Adasum of the replicas' own mean gradients.
     sums = [None if s is None else self._exchange.reduction.to_sum(s, replicas)
             for s in exchanged.sums]
+    nbytes = list(exchanged.nbytes)
+    if slices:
+      gathered = ctx.all_reduce(tf.distribute.ReduceOp.SUM, [grads[k] for k in slices])
+      for k, total in zip(slices, gathered):
+        sums[k] = total
+        nbytes[k] = _slices_nbytes(grads[k])
     finite = fused.all_finite(sums)
     self._keep_states(indices, states, exchanged.states, finite)
-    self._record_bytes(indices, exchanged.nbytes)
-    self._on_every_replica_if(
-        finite, lambda summed: self._apply_inner(summed, trainable_variables), sums)
+    self._record_bytes(indices, nbytes)
+    if clip_after:
+      step = lambda summed: self._apply_own(summed, trainable_variables)  # noqa: E731
+    else:
+      step = lambda summed: self._apply_inner(summed, trainable_variables)  # noqa: E731
+    self._on_every_replica_if(finite, step, sums)
     self._update_ema(before)
 
   def _update_ema(self, before):
@@ -564,11 +596,11 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     (``tf_adacomp.local_steps``)."""
     ctx = tf.distribute.get_replica_context()
     replicas = ctx.num_replicas_in_sync
-    # This replica's mean gradient; an Embedding's IndexedSlices are made dense, as the
-    # update they produce is compressed densely anyway.
-    own = [None if g is None else tf.convert_to_tensor(g) * replicas for g in grads]
-    if self.local_clipnorm is not None:
-      own = replica_steps.clip_by_global_norm(own, self.local_clipnorm)
+    # This replica's mean gradient. An Embedding's IndexedSlices stay slices: the inner
+    # optimizer takes its step on them as Keras does (Adam adds the slices' squares).
+    # Clipped to local_clipnorm in the step (``_apply_own``); a clip leaves a gradient
+    # that is not finite not finite, so the unclipped one decides.
+    own = [_own_gradient(g, replicas) for g in grads]
     if self.local_steps == 1:
       # Every replica must take the same branch: step only if all gradients are finite.
       bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
@@ -577,7 +609,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       anchors = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
       with tf.control_dependencies(anchors):
         self._on_every_replica_if(
-            stepped, lambda local: self._apply_inner(local, variables), own)
+            stepped, lambda local: self._apply_own(local, variables), own)
       # Automatic control dependencies order these reads after the local step.
       self._finish_round(variables, indices, plans, states, anchors,
                          [None if g is None else tf.convert_to_tensor(v) - a
@@ -595,7 +627,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     idle_variables = [self._trainable_variables[i] for i in idle]
     anchors, joins = self._start_round(state, done, stepping, at, idle)
     with tf.control_dependencies(anchors + joins):
-      self._apply_inner(own, variables)
+      self._apply_own(own, variables)
     round_end = local_steps_lib.is_round_end(self.iterations, self.local_steps)
     # What this step left, for the next step to tell a `set_weights` from (at a round's
     # end the exchange sets the weights, and the next round begins anew).
@@ -812,12 +844,11 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     ctx = tf.distribute.get_replica_context()
     replicas = ctx.num_replicas_in_sync
     inner = self.inner_optimizer
-    own = [None if g is None else tf.convert_to_tensor(g) * replicas for g in grads]
-    scale = tf.constant(float(replicas))  # own / grads
+    own = [_own_gradient(g, replicas) for g in grads]
     if self.local_clipnorm is not None:
-      clip = replica_steps.clip_scale(own, self.local_clipnorm)
-      own = [None if g is None else g * tf.cast(clip, g.dtype) for g in own]
-      scale = scale * clip
+      # Dense afterwards, as Keras' global_clipnorm makes an IndexedSlices: Adam then
+      # adds the square of the clipped, summed rows, as Keras does.
+      own = replica_steps.clip_by_global_norm(own, self.local_clipnorm)
     t = tf.cast(inner.iterations, tf.int64) + 1
     learning_rate = inner.learning_rate
     momentums, velocities = shared_moment.moment_slots(inner)
@@ -833,10 +864,10 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     old = {key: [tf.convert_to_tensor(x) for x in xs] for key, xs in tracked.items()}
     old_synced_at = tf.convert_to_tensor(self.moment_synced_at)
     # An Embedding's IndexedSlices gradient: Keras' Adam adds its slices' squares to v.
-    sparse = [isinstance(grads[k], tf.IndexedSlices) for k in present]
+    sparse = [isinstance(own[k], tf.IndexedSlices) for k in present]
     new = {"m": [], "v": [], "w": []}
     for k, m, v, is_sparse in zip(present, old["m"], old["v"], sparse):
-      square = shared_moment.sparse_square(grads[k], scale) if is_sparse else None
+      square = shared_moment.sparse_square(own[k]) if is_sparse else None
       m, v = shared_moment.local_moments(m, v, own[k], inner.beta_1, inner.beta_2, square)
       new["m"].append(m)
       new["v"].append(v)
@@ -982,6 +1013,17 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     self.bytes_sent.assign(values)
     if traced:  # once per step, after the exchange created its kernels
       self._compile_log.traced()
+
+  def _apply_own(self, grads, trainable_variables):
+    """The inner optimizer's step on this replica's own gradient, clipped to
+    ``local_clipnorm`` first. The clip is traced beside the step, as Keras'
+    ``global_clipnorm`` clips in ``apply``: TensorFlow's graph optimizer (its arithmetic
+    optimizer reorders a chain of scalings such as the clip's and SGD's learning rate)
+    then rewrites both alike, and one replica is the inner optimizer with
+    ``global_clipnorm`` bit for bit."""
+    if self.local_clipnorm is not None:
+      grads = replica_steps.clip_by_global_norm(grads, self.local_clipnorm)
+    return self._apply_inner(grads, trainable_variables)
 
   def _apply_inner(self, grads, trainable_variables):
     """The inner optimizer's step on ``grads``: summed (or Adasum-combined) over the
@@ -1246,6 +1288,24 @@ def _variable_path(variable):
 
 def _no_all_reduce(grads_and_vars):
   return list(grads_and_vars)
+
+
+def _own_gradient(grad, replicas):
+  """A replica's own mean gradient from what Keras hands ``apply`` (its loss divided by
+  the replica count): ``grad * replicas``, an ``IndexedSlices`` kept as one (its values
+  scaled), so that the inner optimizer steps on it as Keras would."""
+  if grad is None:
+    return None
+  if isinstance(grad, tf.IndexedSlices):
+    values = grad.values if replicas == 1 else grad.values * replicas
+    return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
+  return tf.convert_to_tensor(grad) * replicas
+
+
+def _slices_nbytes(grad: tf.IndexedSlices):
+  """The bytes of one replica's ``IndexedSlices`` on the wire: its values and indices."""
+  return (tf.cast(tf.size(grad.values), tf.int64) * grad.values.dtype.size
+          + tf.cast(tf.size(grad.indices), tf.int64) * grad.indices.dtype.size)
 
 
 def _resolve_exchange(reduction, adasum_mode, exchange):

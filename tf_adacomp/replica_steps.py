@@ -33,24 +33,60 @@ def on_every_replica_if(flag, fn, values):
 
 
 def clip_by_global_norm(tensors, clipnorm):
-  """``tensors`` scaled by ``min(1, clipnorm / global_norm)`` (None entries kept).
+  """``tensors`` clipped to the global norm ``clipnorm`` as Keras 3's ``global_clipnorm``
+  clips them (None entries kept), so that one replica with ``local_clipnorm=c`` is the
+  inner optimizer with ``global_clipnorm=c`` bit for bit.
 
-  A non-finite norm leaves them as they are: the step is then skipped anyway.
+  Keras' arithmetic (keras/src/optimizers/base_optimizer.py ``clip_by_global_norm``): each
+  tensor scaled by ``clipnorm * min(1 / norm, 1 / clipnorm)`` (not ``min(1, clipnorm /
+  norm)``, which rounds otherwise), where an ``IndexedSlices`` (an Embedding's gradient)
+  counts its slices' squares (``global_norm``) and comes back dense, the duplicate rows
+  summed. A non-finite norm leaves the tensors as they are (Keras makes them NaN): the
+  step is then skipped anyway.
+
+  Args:
+    tensors: gradients (tensors, ``tf.IndexedSlices`` or None).
+    clipnorm: a Python float > 0.
+
+  Returns:
+    The clipped gradients, dense.
   """
   if all(t is None for t in tensors):
     return list(tensors)
   scale = clip_scale(tensors, clipnorm)
-  return [None if t is None else t * tf.cast(scale, t.dtype) for t in tensors]
+  return [None if t is None else tf.convert_to_tensor(t) * tf.cast(scale, t.dtype)
+          for t in tensors]
+
+
+def global_norm(tensors):
+  """The global norm of ``tensors`` (None entries skipped), a float32 scalar, in Keras 3's
+  order of operations (``base_optimizer.global_norm``): the sum of each tensor's squares,
+  those sums stacked and summed, the square root. An ``IndexedSlices`` adds its slices'
+  squares (Keras squares the slices, then makes the squares dense), not the squares of
+  its summed duplicate rows."""
+  squares = []
+  for t in tensors:
+    if t is None:
+      continue
+    if isinstance(t, tf.IndexedSlices):
+      t = tf.convert_to_tensor(tf.IndexedSlices(tf.square(tf.cast(t.values, tf.float32)),
+                                                t.indices, t.dense_shape))
+    else:
+      t = tf.square(tf.cast(t, tf.float32))
+    squares.append(tf.reduce_sum(t))
+  return tf.sqrt(tf.reduce_sum(tf.stack(squares)))
 
 
 def clip_scale(tensors, clipnorm):
-  """``min(1, clipnorm / global_norm)`` of ``tensors`` (1 if none, or if the norm is not
-  finite: the step is then skipped anyway)."""
-  present = [t for t in tensors if t is not None]
-  if not present:
+  """Keras' factor of ``global_clipnorm``, ``clipnorm * min(1 / global_norm, 1 / clipnorm)``
+  (``clip_by_global_norm``), a float32 scalar: 1 if there are no tensors, or if the
+  norm is not finite (the step is then skipped anyway)."""
+  if all(t is None for t in tensors):
     return tf.constant(1.0)
-  norm = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(tf.cast(t, tf.float32))) for t in present]))
-  return tf.where(tf.math.is_finite(norm), tf.minimum(1.0, clipnorm / norm), 1.0)
+  norm = global_norm(tensors)
+  # As Keras: 1 / clipnorm in Python (double), then float32; clipnorm * (...) likewise.
+  scale = clipnorm * tf.minimum(1.0 / norm, 1.0 / clipnorm)
+  return tf.where(tf.math.is_finite(norm), scale, 1.0)
 
 
 def assign_per_replica(strategy, variables, values):

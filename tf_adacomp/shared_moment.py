@@ -25,6 +25,8 @@ batch R times smaller, carries R times the noise variance of the mean gradient, 
 the mean of the replicas' ``v_r`` keeps and Adam on the global batch would not see. An
 Embedding's ``IndexedSlices`` gradient adds its slices' squares, as Keras' Adam does
 (``sparse_square``); those add up across replicas, so ``f`` is their mean over R exactly.
+A gradient clipped by ``local_clipnorm`` is dense, as Keras' ``global_clipnorm`` makes
+it: its square is that of its summed rows, as in Keras.
 The replicas' steps ``u_r`` are compressed with error feedback and exchanged; every
 replica applies their mean (and AdamW's decoupled weight decay, the same on every
 replica).
@@ -131,8 +133,9 @@ def clip(update, bound):
 
 def local_moments(m, v, grad, beta_1, beta_2, square=None):
   """One replica's new ``(m, v)`` from its own gradient (Keras' Adam update, unapplied);
-  ``square`` replaces ``grad ** 2`` (``sparse_square``)."""
-  grad = tf.cast(grad, m.dtype)
+  ``square`` replaces ``grad ** 2`` (``sparse_square``). An ``IndexedSlices`` ``grad``
+  enters ``m`` dense, its duplicate rows summed, as in Keras' Adam."""
+  grad = tf.cast(tf.convert_to_tensor(grad), m.dtype)
   square = tf.square(grad) if square is None else tf.cast(square, m.dtype)
   return m + (grad - m) * (1 - beta_1), v + (square - v) * (1 - beta_2)
 

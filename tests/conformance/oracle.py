@@ -395,10 +395,6 @@ def _wrapper(c) -> bool:
   return not getattr(c, "tf_keras", False) and not getattr(c, "cross_device_ops", False)
 
 
-def _local_adam(c) -> bool:
-  return c.inner != "sgd" and resolved_second_moment(c) == "local"
-
-
 def _resume(c) -> bool:
   """A save and load onto as many replicas, then training continued."""
   return c.event in ("keras", "checkpoint")
@@ -416,36 +412,6 @@ KNOWN_DEFECTS: Dict[str, Defect] = {
 # Defects the oracle found that issue 43 does not list (the report that came with this
 # file describes each). Same mechanics: xfail(strict=True), delete the entry on a fix.
 FOUND_DEFECTS: Dict[str, Defect] = {
-    "A": Defect(
-        "an Embedding's IndexedSlices gradient is made dense before the inner Adam/AdamW "
-        "steps on it (gradient exchange, second_moment='local', local steps): Adam's "
-        "second moment gets the square of the summed duplicate rows, where Keras adds "
-        "the squares of the slices (2e-2 off after 6 steps)",
-        lambda c: (_wrapper(c) and c.model == "embedding" and c.local_clipnorm is None
-                   and _local_adam(c) and not B_APPLIES(c))),
-    "A'": Defect(
-        "one replica, an Embedding, SGD (or any local inner step): the IndexedSlices "
-        "gradient made dense first rounds otherwise than Keras' sparse update (1e-8)",
-        lambda c: (_wrapper(c) and max(c.counts) == 1 and c.model == "embedding"
-                   and c.local_clipnorm is None and resolved_second_moment(c) == "local"),
-        exact_only=True),
-    "B": Defect(
-        "exchange='gradients' + mixed_float16 + an Embedding: TypeError in "
-        "exchange._all_reduce_joined (LossScaleOptimizer's unscaled IndexedSlices has no "
-        "static shape)",
-        lambda c: B_APPLIES(c)),
-    "C": Defect(
-        "local_clipnorm + an Embedding + Adam's shared/global second moment: the shared "
-        "step adds the clipped slices' squares, where the documented equivalent, Keras' "
-        "global_clipnorm, makes the gradient dense (2e-2 off on one replica)",
-        lambda c: (_wrapper(c) and c.model == "embedding" and c.local_clipnorm is not None
-                   and resolved_second_moment(c) in ("shared", "global"))),
-    "D": Defect(
-        "local_clipnorm on one replica is not bit for bit the inner optimizer with "
-        "global_clipnorm (documented as the same): replica_steps scales by "
-        "min(1, c / norm), Keras by c * min(1 / norm, 1 / c) (6e-8 after 6 SGD steps)",
-        lambda c: _wrapper(c) and max(c.counts) == 1 and c.local_clipnorm is not None,
-        exact_only=True),
     "E": Defect(
         "the tf_keras wrapper, as issue 43's defect 6, in the legacy .h5 format only "
         "(tf.train.Checkpoint and .keras keep each replica's copy, tf_adacomp.replica_state): "
@@ -461,11 +427,6 @@ FOUND_DEFECTS: Dict[str, Defect] = {
 def _tf_keras_local_adam_resume(c) -> bool:
   return (getattr(c, "tf_keras", False) and c.exchange == "updates" and c.inner == "adam"
           and c.replicas > 1 and c.event == "h5")
-
-
-def B_APPLIES(c) -> bool:  # pylint: disable=invalid-name
-  return (_wrapper(c) and c.exchange == "gradients" and getattr(c, "mixed", False)
-          and c.model == "embedding")
 
 
 def _tables():
@@ -763,6 +724,19 @@ def _own_gradients(model, x, y, mixed, replicas=1):
   return grads
 
 
+def _clipped_as_keras(grads, clipnorm):
+  """``grads`` clipped as Keras' ``global_clipnorm`` clips them, the wrapper's documented
+  ``local_clipnorm`` of one replica: the global norm counts an IndexedSlices' slices'
+  squares (Keras squares the slices before it makes them dense), and every gradient
+  comes back dense, scaled by ``min(1, clipnorm / norm)`` (float64 here)."""
+  total = 0.0
+  for g in grads:
+    values = g.values if isinstance(g, tf.IndexedSlices) else g
+    total += float(np.sum(np.square(np.asarray(values, np.float64))))
+  scale = min(1.0, clipnorm / math.sqrt(total))
+  return [tf.constant((_dense(g) * scale).astype(np.float32)) for g in grads]
+
+
 def _dense(g):
   return tf.convert_to_tensor(g).numpy().astype(np.float64)
 
@@ -954,10 +928,7 @@ class Replay:
       own = _own_gradients(model, x[r * per:(r + 1) * per], y[r * per:(r + 1) * per], c.mixed,
                            replicas)
       if c.local_clipnorm is not None:
-        # The norm of the gradient, an Embedding's duplicate rows summed (Keras'
-        # global_clipnorm makes an IndexedSlices dense first too).
-        own, _ = tf.clip_by_global_norm([tf.convert_to_tensor(g) for g in own],
-                                        c.local_clipnorm)
+        own = _clipped_as_keras(own, c.local_clipnorm)
       grads.append(own)
     if self.mode == "gradients":
       optimizer, model = self.optimizers[0], self.models[0]
