@@ -395,11 +395,6 @@ def _wrapper(c) -> bool:
   return not getattr(c, "tf_keras", False) and not getattr(c, "cross_device_ops", False)
 
 
-def _resume(c) -> bool:
-  """A save and load onto as many replicas, then training continued."""
-  return c.event in ("keras", "checkpoint")
-
-
 # Issue 43's defects being fixed: each configuration one makes fail is xfail(strict=True)
 # through this table. When a fix lands its configurations XPASS, which fails: delete the
 # entry. Keyed by the issue's defect number. (Defects 1, 2, 3, 5, 7, 8 and 9 pass at
