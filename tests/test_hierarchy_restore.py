@@ -48,7 +48,8 @@ def _fit(model, replicas, steps=STEPS):
   model.fit(x, y, batch_size=replicas * PER_REPLICA, epochs=1, shuffle=False, verbose=0)
 
 
-@pytest.fixture(scope="module", params=["adacomp", "none"])
+@pytest.fixture(scope="module", params=[  # AdaComp's kernels on 4 devices: --full
+    pytest.param("adacomp", marks=pytest.mark.slow), "none"])
 def saved(request, tmp_path_factory):
   """``(path, weights, residue totals)`` of a model trained on 2 workers x 2 devices."""
   strategy = _strategy(4)

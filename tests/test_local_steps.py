@@ -91,7 +91,8 @@ def _local_steps(local_steps, outer="average", compressor=None):
 # --- Two rounds against NumPy -------------------------------------------------------
 
 
-@pytest.mark.parametrize("outer", ["average", "nesterov"])
+@pytest.mark.parametrize("outer", [
+    "average", pytest.param("nesterov", marks=pytest.mark.slow)])  # one outer step fast
 def test_two_rounds_match_the_numpy_reference(outer):
   replicas, steps, h = 2, 6, 3
   make_outer = local_steps_lib.diloco if outer == "nesterov" else "average"
@@ -135,6 +136,7 @@ def test_mid_round_each_replica_holds_its_own_weights_and_sends_nothing():
 # --- The outer step, and H=1 -----------------------------------------------------------
 
 
+@pytest.mark.slow  # the outer optimizer's path; the average's runs in the fast tier
 def test_an_outer_sgd_of_rate_one_is_the_average_bit_for_bit():
   """The outer optimizer's path against the average's: SGD(1.0) moves the anchor by the
   mean pseudo-update, to the same bits."""
@@ -221,7 +223,9 @@ def _jump(start):
   return [(s + rng.standard_normal(s.shape)).astype(np.float32) for s in start]
 
 
-@pytest.mark.parametrize("how", ["set_weights", "kernel_assign", "set_to_replica_0"])
+@pytest.mark.parametrize("how", [  # the fast tier: set_weights, as EarlyStopping does
+    "set_weights", pytest.param("kernel_assign", marks=pytest.mark.slow),
+    pytest.param("set_to_replica_0", marks=pytest.mark.slow)])
 def test_weights_set_mid_round_are_where_the_round_goes_on_from(how):
   """``set_weights`` after step 2 of a round (as EarlyStopping's restore_best_weights
   does when a fit stops there), or one variable's ``assign``: the round goes on from the
@@ -260,6 +264,7 @@ def test_weights_set_mid_round_are_where_the_round_goes_on_from(how):
       np.testing.assert_allclose(moment, local[r].moments[v], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # AdaComp's share of test_weights_set_mid_round_are_where_the_round_goes_on_from
 def test_set_weights_mid_round_puts_all_of_the_jump_into_the_weights_and_none_into_residues():
   """AdaComp, a learning rate of zero: nothing but the jump happens in the round, and at
   its end every replica holds exactly the weights set, with nothing held back."""
@@ -314,7 +319,8 @@ def _all_copies(model, strategy):
   return [replica_values(v, strategy) for v in model.weights]
 
 
-@pytest.mark.parametrize("compressor", ["none", "topk"])
+@pytest.mark.parametrize("compressor", [
+    "none", pytest.param("topk", marks=pytest.mark.slow)])  # a compressor: whole suite
 def test_a_layer_frozen_mid_round_ends_the_round_on_the_replicas_mean(compressor):
   """``layer.trainable = False`` after step 2 of a round and ``compile`` again with the
   same optimizer, as Keras requires for the change to take effect: at the round's end

@@ -69,8 +69,12 @@ def _keras3_resume(model, strategy, fmt, second_moment, directory):
   return loaded
 
 
-@pytest.mark.parametrize("second_moment", ["local", "global"])
-@pytest.mark.parametrize("fmt", ["checkpoint", "deferred", "keras"])
+# The fast tier: each format and each moment once (three of the six); --full all.
+@pytest.mark.parametrize("fmt, second_moment", [
+    ("checkpoint", "local"), ("deferred", "local"), ("keras", "global"),
+    pytest.param("checkpoint", "global", marks=pytest.mark.slow),
+    pytest.param("deferred", "global", marks=pytest.mark.slow),
+    pytest.param("keras", "local", marks=pytest.mark.slow)])
 def test_a_keras3_resume_on_as_many_replicas_is_the_uninterrupted_run(fmt, second_moment,
                                                                       tmp_path):
   x, y = data(REPLICAS, STEPS)
@@ -92,7 +96,7 @@ def test_a_keras3_resume_on_as_many_replicas_is_the_uninterrupted_run(fmt, secon
     np.testing.assert_allclose(found, expected, rtol=0, atol=ATOL)
 
 
-@pytest.mark.parametrize("fmt", ["checkpoint", "keras"])
+@pytest.mark.parametrize("fmt", ["checkpoint", pytest.param("keras", marks=pytest.mark.slow)])
 def test_a_keras3_load_onto_another_replica_count_gives_every_replica_the_mean(fmt, tmp_path):
   x, y = data(REPLICAS, STEPS)
   model = _keras3_model(_strategy(), "local")
@@ -107,7 +111,7 @@ def test_a_keras3_load_onto_another_replica_count_gives_every_replica_the_mean(f
       np.testing.assert_allclose(copy, mean, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("fmt", ["checkpoint", "keras"])
+@pytest.mark.parametrize("fmt", [pytest.param("checkpoint", marks=pytest.mark.slow), "keras"])
 def test_a_keras3_checkpoint_or_file_without_the_copies_loads_as_the_mean(
     fmt, tmp_path, monkeypatch):
   """As written before tf_adacomp.replica_state: no copies, each replica the mean."""
@@ -188,7 +192,9 @@ def _tf_keras_model(strategy):
   return model
 
 
-@pytest.mark.parametrize("fmt", ["checkpoint", "deferred", "keras"])
+@pytest.mark.parametrize("fmt", [  # the fast tier: .keras; --full all
+    pytest.param("checkpoint", marks=pytest.mark.slow),
+    pytest.param("deferred", marks=pytest.mark.slow), "keras"])
 def test_a_tf_keras_resume_on_as_many_replicas_is_the_uninterrupted_run(fmt, tmp_path):
   tf_keras = _tf_keras()
   from tf_adacomp import tf_keras as adacomp_tf_keras  # pylint: disable=import-outside-toplevel

@@ -63,9 +63,15 @@ def _shares(variable):
   return [v.numpy() for v in getattr(variable, "values", [variable])]
 
 
-@pytest.mark.parametrize("inner", ["adam", "sgd"])
-@pytest.mark.parametrize("saved_on", [None, 2], ids=["saved-alone", "saved-on-2"])
-@pytest.mark.parametrize("fmt", ["keras", "h5"])
+# The fast tier: two of the eight, each format, side and optimizer once; --full all.
+FAST_SAVES = {("keras", 2, "adam"), ("h5", None, "sgd")}
+
+
+@pytest.mark.parametrize("fmt, saved_on, inner", [
+    pytest.param(fmt, saved_on, inner,
+                 id=f"{fmt}-{'saved-on-2' if saved_on else 'saved-alone'}-{inner}",
+                 marks=() if (fmt, saved_on, inner) in FAST_SAVES else pytest.mark.slow)
+    for fmt in ("keras", "h5") for saved_on in (None, 2) for inner in ("adam", "sgd")])
 def test_a_saved_file_restores_the_optimizer_state_with_and_without_a_strategy(
     fmt, saved_on, inner, tmp_path):
   model = _mlp(_strategy(saved_on), inner)
@@ -103,17 +109,23 @@ def test_a_saved_file_restores_the_optimizer_state_with_and_without_a_strategy(
     assert int(optimizer.iterations.numpy()) == 5
 
 
-@pytest.mark.parametrize("replicas, inner, start_step, atol", [
+RUNS = {
     # One replica: the residues AdaComp held back come back exactly too.
-    (1, "adam", 0, 0.0),
+    "1-replica-adam-adacomp": (1, "adam", 0, 0.0),
     # Two: dense warm-up throughout (residues kept, all zero), as compressor "none".
-    # Each replica's own slots are saved as their mean: SGD's momentum is linear in the
-    # slot, so the replicas' mean update is the same (Adam's is not: the documented
-    # checkpoint semantics, as for tf.train.Checkpoint).
-    (2, "sgd", 100, 1e-6)], ids=["1-replica-adam-adacomp", "2-replicas-sgd-dense"])
+    # An .h5 file keeps each replica's own slots as their mean: SGD's momentum is linear
+    # in the slot, so the replicas' mean update is the same (Adam's is not).
+    "2-replicas-sgd-dense": (2, "sgd", 100, 1e-6)}
+# The fast tier: two of the six, each run once; --full all.
+FAST_RUNS = {("keras", "2-replicas-sgd-dense"), ("weights", "1-replica-adam-adacomp")}
+
+
 # "weights": save_weights to a .weights.h5 file, load_weights into a new model, whose
 # optimizer is built (and given the state) at its first step.
-@pytest.mark.parametrize("fmt", ["keras", "h5", "weights"])
+@pytest.mark.parametrize("fmt, replicas, inner, start_step, atol", [
+    pytest.param(fmt, *run, id=f"{fmt}-{name}",
+                 marks=() if (fmt, name) in FAST_RUNS else pytest.mark.slow)
+    for name, run in RUNS.items() for fmt in ("keras", "h5", "weights")])
 def test_a_run_saved_and_loaded_midway_ends_where_the_uninterrupted_run_ends(
     fmt, replicas, inner, start_step, atol, tmp_path):
   model = _mlp(_strategy(replicas), inner, start_step=start_step)

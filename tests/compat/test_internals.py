@@ -176,6 +176,7 @@ def _result_lines_of_a_fresh_process(code):
           result.stderr[-2000:])
 
 
+@pytest.mark.slow  # a process of its own
 def test_eager_context_initialized_before_and_after_the_runtime_starts():
   # A process of its own: this one started TensorFlow's runtime long ago.
   name, user = "`tensorflow.python.eager.context.Context._initialized`", \
