@@ -3,8 +3,7 @@
 Under the update exchange each replica keeps its own optimizer state. A checkpoint or
 ``.keras`` file keeps every replica's copy (``tf_adacomp.replica_state``), which a load
 onto as many replicas gives back to each: the resume is then exact (0 here), with Adam
-too. (Before, a file held only the replicas' mean, given to every replica on load: exact
-with SGD+momentum, linear in its state, and 1e-2 off with Adam.) This trains the 5x3 linear
+too. This trains the 5x3 linear
 model of tests/replica_harness.py on 2 CPU replicas with ``CompressedOptimizer(inner,
 "none")`` for 12 steps, once straight through and once saved as ``.keras`` after 5 steps,
 loaded and continued, and prints the largest weight difference at the end, per

@@ -40,8 +40,9 @@ def _averages(optimizer):
 
 # Keras' own overwrite fails under a MirroredStrategy; the wrapper's takes place after the
 # exchange, with either exchange.
-@pytest.mark.parametrize("exchange,overwrite", [("updates", None), ("updates", 3),
-                                                ("gradients", 3)])
+@pytest.mark.parametrize("exchange,overwrite", [  # the fast tier: the overwrite, updates
+    pytest.param("updates", None, marks=pytest.mark.slow), ("updates", 3),
+    pytest.param("gradients", 3, marks=pytest.mark.slow)])
 def test_two_replicas_keep_one_average_as_keras(exchange, overwrite):
   # Without compression, SGD's update exchange is SGD on the mean gradient: Keras' on the
   # global batch, on one device.
@@ -59,7 +60,7 @@ def test_two_replicas_keep_one_average_as_keras(exchange, overwrite):
     np.testing.assert_allclose(copies[0], expected.numpy(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("exchange", ["updates", "gradients"])
+@pytest.mark.parametrize("exchange", ["updates", pytest.param("gradients", marks=pytest.mark.slow)])
 def test_one_replica_is_keras_bit_for_bit(exchange):
   plain, _ = _fit(lambda: _sgd(ema_overwrite_frequency=2), 1, 5, strategy=False)
   ours, _ = _fit(lambda: tf_adacomp.CompressedOptimizer(

@@ -68,7 +68,7 @@ def saved(request, tmp_path_factory):
   return path, model.get_weights(), totals
 
 
-@pytest.mark.parametrize("replicas", [1, 3])  # 1: no strategy
+@pytest.mark.parametrize("replicas", [1, pytest.param(3, marks=pytest.mark.slow)])  # 1: alone
 def test_a_model_saved_with_devices_per_worker_loads_and_trains_on_other_devices(
     saved, replicas, caplog, tmp_path):
   path, weights, totals = saved

@@ -151,7 +151,9 @@ def test_update_exchange_checkpoints_the_mean_of_the_replicas_slots(tmp_path,
   del strategy
 
 
-@pytest.mark.parametrize("inner,masking", [("sgd", False), ("sgd", True), ("adam", True)])
+@pytest.mark.parametrize("inner,masking", [  # the fast tier: Adam with masking
+    pytest.param("sgd", False, marks=pytest.mark.slow),
+    pytest.param("sgd", True, marks=pytest.mark.slow), ("adam", True)])
 def test_update_exchange_compresses_local_updates_with_error_feedback(inner, masking):
   replicas, steps, density = 2, 3, 0.2
   if inner == "sgd":
@@ -257,7 +259,8 @@ _INNER = {"sgd": lambda **kw: keras.optimizers.SGD(LR, momentum=MOMENTUM, **kw),
 
 
 @pytest.mark.parametrize("exchange,inner,clipnorm", [
-    ("updates", "sgd", None), ("gradients", "adam", None), ("updates", "sgd", 0.5),
+    ("gradients", "adam", None), ("updates", "sgd", 0.5),
+    pytest.param("updates", "sgd", None, marks=pytest.mark.slow),
     pytest.param("gradients", "sgd", None, marks=pytest.mark.slow),
     pytest.param("updates", "adam", None, marks=pytest.mark.slow),
     pytest.param("gradients", "adam", 0.5, marks=pytest.mark.slow)])

@@ -478,7 +478,7 @@ def test_one_replica_local_clipnorm_on_an_embedding_is_keras_global_clipnorm():
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("mode", ["shared", "global"])
+@pytest.mark.parametrize("mode", [pytest.param("shared", marks=pytest.mark.slow), "global"])
 def test_precondition_after_is_before_without_compression(mode):
   # 2 replicas, 8 steps (averages at 1, 2, 4, 8): between averages both bound each
   # replica's step, so without compression they differ by float rounding only.
@@ -488,6 +488,7 @@ def test_precondition_after_is_before_without_compression(mode):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow  # a 16k-parameter layer, AdaComp's kernels: 10 s of the fast tier
 def test_the_moments_average_is_not_counted_as_all_gather():
   # Step 1 averages Adam's moments densely (an all-reduce), beside AdaComp's payload:
   # the all-gather check counts the payload only, so 2 senders are not "past the

@@ -436,8 +436,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       setattr(self.outer_optimizer, ALL_REDUCE_HOOK, _no_all_reduce)
     if self.exchange == "updates":
       # Each replica steps the inner optimizer with its own state, so its slots hold one
-      # value per replica (on-read, as the residues), and a checkpoint stores their mean
-      # rather than replica 0's copy.
+      # value per replica (on-read, as the residues): a checkpoint stores their mean
+      # rather than replica 0's copy, and each replica's copy beside it (replica_state).
       with tf.variable_creator_scope(replica_steps.one_value_per_replica):
         self.inner_optimizer.build(var_list)
     else:

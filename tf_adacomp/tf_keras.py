@@ -212,7 +212,8 @@ class CompressedOptimizer(tf_keras.optimizers.Optimizer):
         [v for state in residues for v in state] + [self.bytes_sent])
     if self.exchange == "updates":
       # Each replica steps the inner optimizer with its own state: its slots hold one
-      # value per replica, and a checkpoint stores their mean.
+      # value per replica: a checkpoint stores their mean, and each replica's copy beside
+      # it (replica_state).
       with tf.variable_creator_scope(replica_steps.one_value_per_replica):
         self.inner_optimizer.build(var_list)
     else:

@@ -123,9 +123,11 @@ def test_bad_arguments_are_named(script, flags, named):
 
 
 @pytest.mark.slow
-def test_resume_drift_is_exact_for_sgd_and_not_for_adam(tmp_path):
+def test_resume_drift_is_zero_for_sgd_and_adam(tmp_path):
+  # Each replica's own state comes back (tf_adacomp.replica_state): the resumed run is
+  # the uninterrupted one, bit for bit (with the replicas' mean, Adam ended 1e-2 off).
   _ok(_run("resume_drift.py", f"--json={tmp_path / 'r.json'}"))
   with open(tmp_path / "r.json") as f:
     drift = json.load(f)["max_abs_difference"]
-  assert drift["SGD(0.05, momentum=0.9)"] < 1e-5, drift  # linear in its state
-  assert min(v for k, v in drift.items() if k.startswith("Adam")) > 1e-4, drift
+  assert any(k.startswith("Adam") for k in drift) and "SGD(0.05, momentum=0.9)" in drift
+  assert all(v == 0 for v in drift.values()), drift

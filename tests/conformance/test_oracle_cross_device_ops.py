@@ -31,7 +31,7 @@ AXES = {
     "model": ("dense", "embedding"),
     "event": ("none", "checkpoint", "checkpoint_other", "keras_other"),
 }
-FAST_ROWS = 3
+FAST_ROWS = 2
 CONFIGS = [oracle.Config(cross_device_ops=True, **row) for row in oracle.pairwise(AXES)]
 FAST = set(oracle.fast_rows(CONFIGS, FAST_ROWS))
 

@@ -69,6 +69,9 @@ class TfKerasConfig:
 
 
 CONFIGS = [TfKerasConfig(**row) for row in oracle.pairwise(AXES)]
+# Beside the array (--full): oracle defect E in its smallest configuration, a strict
+# xfail until an .h5 file keeps each replica's own Adam moments.
+CONFIGS += [TfKerasConfig(exchange="updates", inner="adam", replicas=2, event="h5")]
 
 
 def _strategy(replicas):
