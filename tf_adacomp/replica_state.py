@@ -6,7 +6,7 @@ slots (Adam's moments, momentum; ``on_read``, ``mean`` aggregation), the residue
 saves such a variable as its cross-replica value, the mean (or the sum) of the copies,
 and a restore gives every replica that mean (or an even share of the sum): a state that
 is not the same on every replica comes back changed, and with Adam the resumed run is
-no longer the one that was saved (issue 43, defect 6).
+no longer the one that was saved.
 
 The rule of this module, the one home of it for both optimizer wrappers:
 
