@@ -69,6 +69,19 @@ def _keras3_resume(model, strategy, fmt, second_moment, directory):
   return loaded
 
 
+def _check_resumed(loaded, saved, straight, fmt, x, y):
+  """Each replica holds its own saved slots (``saved``, from ``_slots``; a deferred
+  restore happens at the first step, so it is checked by the end only), and the rest of
+  the run ends where the uninterrupted ``straight`` run ended."""
+  if fmt != "deferred":
+    for found, expected in zip(_slots(loaded.optimizer), saved):
+      for copy, own in zip(found, expected):
+        np.testing.assert_array_equal(copy, own)
+  loaded.fit(x[CUT * BATCH:], y[CUT * BATCH:], batch_size=BATCH, shuffle=False, verbose=0)
+  for found, expected in zip(loaded.get_weights(), straight.get_weights()):
+    np.testing.assert_allclose(found, expected, rtol=0, atol=ATOL)
+
+
 # The fast tier: two formats, each moment once (two of the six); --full all.
 @pytest.mark.parametrize("fmt, second_moment", [
     ("checkpoint", "local"), ("keras", "global"),
@@ -88,13 +101,7 @@ def test_a_keras3_resume_on_as_many_replicas_is_the_uninterrupted_run(fmt, secon
   saved = _slots(model.optimizer)
   assert any(not np.array_equal(*copies) for copies in saved)  # the replicas' differ
   loaded = _keras3_resume(model, strategy, fmt, second_moment, str(tmp_path))
-  if fmt != "deferred":  # (a deferred restore happens at the first step)
-    for found, expected in zip(_slots(loaded.optimizer), saved):
-      for copy, own in zip(found, expected):
-        np.testing.assert_array_equal(copy, own)
-  loaded.fit(x[CUT * BATCH:], y[CUT * BATCH:], batch_size=BATCH, shuffle=False, verbose=0)
-  for found, expected in zip(loaded.get_weights(), straight.get_weights()):
-    np.testing.assert_allclose(found, expected, rtol=0, atol=ATOL)
+  _check_resumed(loaded, saved, straight, fmt, x, y)
 
 
 @pytest.mark.parametrize("fmt", ["checkpoint", pytest.param("keras", marks=pytest.mark.slow)])
@@ -222,13 +229,7 @@ def test_a_tf_keras_resume_on_as_many_replicas_is_the_uninterrupted_run(fmt, tmp
       with strategy.scope():
         loaded.optimizer.build(loaded.trainable_variables)
     tf.train.Checkpoint(model=loaded, optimizer=loaded.optimizer).read(path).expect_partial()
-  if fmt != "deferred":
-    for found, expected in zip(_slots(loaded.optimizer), saved):
-      for copy, own in zip(found, expected):
-        np.testing.assert_array_equal(copy, own)
-  loaded.fit(x[CUT * BATCH:], y[CUT * BATCH:], batch_size=BATCH, shuffle=False, verbose=0)
-  for found, expected in zip(loaded.get_weights(), straight.get_weights()):
-    np.testing.assert_allclose(found, expected, rtol=0, atol=ATOL)
+  _check_resumed(loaded, saved, straight, fmt, x, y)
 
 
 def test_a_tf_keras_load_onto_another_replica_count_gives_every_replica_the_mean(tmp_path):
