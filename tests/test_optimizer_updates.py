@@ -18,6 +18,7 @@ from replica_harness import (DEVICES, PER_REPLICA, assert_replicas_hold, data, f
                              linear_model, np_topk, own_mean_gradients, replica_values,
                              replica_weights, shards)
 from tf_adacomp import optimizer as optimizer_module
+from tf_adacomp.steps import momentum_masking as masking_module
 from tf_adacomp import replica_steps
 
 LR, MOMENTUM = 0.05, 0.9
@@ -172,7 +173,7 @@ def test_update_exchange_compresses_local_updates_with_error_feedback(inner, mas
     copies = replica_values(optimizer.residues[v][0], strategy)
     for r in range(replicas):
       np.testing.assert_allclose(copies[r], residues[r][v], rtol=1e-4, atol=1e-6)
-  slots = optimizer_module._first_moment_slots(optimizer.inner_optimizer)  # pylint: disable=protected-access
+  slots = masking_module.first_moment_slots(optimizer.inner_optimizer)  # pylint: disable=protected-access
   for v in range(len(expected)):
     copies = replica_values(slots[v], strategy)
     for r in range(replicas):
@@ -366,11 +367,11 @@ def test_update_exchange_trains_an_embedding_under_mirrored_strategy():
 ])
 def test_keras_momentum_slots_are_where_masking_reads_them(make):
   """Fails if Keras moves SGD's ``momentums`` or Adam's ``_momentums`` (masking reads
-  them through ``optimizer._first_moment_slots`` only)."""
+  them through ``steps.momentum_masking.first_moment_slots`` only)."""
   inner = make()
   variables = [keras.Variable(np.ones([3, 2], np.float32)), keras.Variable(np.ones([2], np.float32))]
   inner.build(variables)
-  slots = optimizer_module._first_moment_slots(inner)  # pylint: disable=protected-access
+  slots = masking_module.first_moment_slots(inner)  # pylint: disable=protected-access
   assert [tuple(s.shape) for s in slots] == [(3, 2), (2,)]
   grads = [np.full([3, 2], 2.0, np.float32), np.full([2], 2.0, np.float32)]
   inner.apply(grads, variables)

@@ -210,17 +210,18 @@ class RoundState:
 _ROUND_STATE = "_local_steps_round_state"
 
 
-def round_state(optimizer) -> RoundState:
-  """``optimizer``'s ``RoundState`` for the variables it was built with, made on first use.
+def round_state(holder, count: int) -> RoundState:
+  """``holder``'s ``RoundState`` for ``count`` variables (those an optimizer was built
+  with), made on first use.
 
-  Kept out of Keras' and TensorFlow's tracking (set in ``__dict__``): the optimizer's
-  variables, its checkpoints and saved models stay as they were. Made in a replica
+  Kept out of Keras' and TensorFlow's tracking (set in ``holder.__dict__``; the holder is
+  the optimizer's step, ``steps.local_rounds``): the optimizer's variables, its
+  checkpoints and saved models stay as they were. Made in a replica
   context when the first step is traced: in a ``merge_call``, once for every replica, or
   where the strategy runs without one, by the first replica's thread (they trace one
   after the other), through the strategy's variable creator.
   """
-  count = len(optimizer._trainable_variables)  # pylint: disable=protected-access
-  state = optimizer.__dict__.get(_ROUND_STATE)
+  state = holder.__dict__.get(_ROUND_STATE)
   if state is None or state.count != count:
     if tf.distribute.in_cross_replica_context():
       state = RoundState(tf.distribute.get_strategy(), count)
@@ -231,7 +232,7 @@ def round_state(optimizer) -> RoundState:
     else:
       state = tf.distribute.get_replica_context().merge_call(
           lambda strategy: RoundState(strategy, count))
-    optimizer.__dict__[_ROUND_STATE] = state
+    holder.__dict__[_ROUND_STATE] = state
   return state
 
 

@@ -1,76 +1,30 @@
 """CompressedOptimizer: a Keras 3 optimizer wrapper that exchanges compressed gradients
 or compressed optimizer updates.
 
-Modelled on Keras' ``LossScaleOptimizer``. Two exchanges (``exchange=``; the default is
-"updates" with ``reduction="sum"`` and "gradients" with ``reduction="adasum"``):
+Modelled on Keras' ``LossScaleOptimizer``: a shell that checks its arguments
+(``steps.arguments``), creates the variables its exchange mode needs, forwards Keras'
+settings to the inner optimizer, and hands each step to one mode of ``tf_adacomp.steps``
+(their module docstrings say what each does):
 
-- ``"gradients"``: in each replica it compresses the gradients (residues are optimizer
-  variables), exchanges the compact payloads with the strategy's collectives
-  (``exchange.Exchange``), decodes and sums them, and hands the sum to the
-  inner optimizer with the inner optimizer's own dense all-reduce switched off, so no
-  gradient-sized tensor crosses devices. A step whose summed gradient is not finite
-  (e.g. float16 overflow) changes nothing: the residues are restored and the inner
-  optimizer is not called. An Embedding's ``IndexedSlices`` gradient that the exchange
-  would send as it is (``"none"``, or below the compressor's ``min_size``) takes the
-  strategy's own all-reduce instead, which joins the replicas' slices as Keras' does: the
-  inner optimizer steps on them as Keras' would (Adam adds the slices' squares).
-- ``"updates"`` (the local-optimizer exchange; Horovod's Adasum "delta" mode,
-  generalised): each replica first takes the inner optimizer's step on its own mean
-  gradient (its gradient times the replica count, since Keras divides every replica's
-  loss by it) with its own optimizer state (momentum, Adam moments); the updates
-  ``delta = weights after - weights before`` are compressed with error feedback,
-  exchanged, and every replica sets ``weights = before + mean(decoded deltas)`` (with
-  ``reduction="adasum"``: ``before + Adasum(decoded deltas)``). For SGD with momentum
-  this is Deep Gradient Compression's momentum correction (Lin et al., ICLR 2018): the
-  velocity is accumulated locally and what the residue holds back is velocity, not
-  gradient. The payloads have the format of ``"gradients"``; how many elements a
-  compressor such as AdaComp selects depends on what it compresses. A step whose own
-  gradient is not finite on some replica changes nothing anywhere (one all-reduced
-  flag); a combined update that is not finite leaves weights and residues as they
-  were, but the inner optimizers' states have taken their step.
+- ``exchange="gradients"``: ``steps.gradients``;
+- ``exchange="updates"`` (the default with ``reduction="sum"``): ``steps.updates``; with
+  ``local_steps`` > 1, ``steps.local_rounds``; with Adam's shared second moment,
+  ``steps.shared_adam``.
 
-  Per-replica optimizer state: the inner optimizer's slots are created ``on_read`` with
-  ``mean`` aggregation, so each replica keeps its own copy (as the residues do); reading
-  a slot in cross-replica context gives the mean of the replicas' copies. A checkpoint
-  and ``model.save`` (``.keras``) keep that mean and, with 2+ replicas, every replica's
-  copy besides (``tf_adacomp.replica_state``): a restore onto as many replicas gives
-  each its own copy back (across workers too under ``MultiWorkerMirroredStrategy``),
-  so a resumed run is the one that was saved; onto another replica count every replica
-  gets the mean (a residue an even share of the sum).
-
-Adam and AdamW under the update exchange: each replica's own step is not linear in its
-gradient, so by default (``second_moment="global"``) every replica divides its own first
-moment by one shared second moment and the wrapper computes Adam's step itself
-(``tf_adacomp.shared_moment``); the mean of the replicas' steps is then Adam's step on
-the mean gradient.
-
-With ``local_steps=H`` the update exchange runs once per round of H local steps, on the
-pseudo-update of the round (DiLoCo, SparseLoCo; ``tf_adacomp.local_steps``).
-
-Options of the update exchange: ``momentum_masking`` (DGC's momentum factor masking) and,
-for either exchange, ``local_clipnorm`` (DGC's local gradient clipping). It works without
-a strategy (compression is applied locally, to study its effect on accuracy), under
+Each guarded by ``steps.guard``: a step that is not finite on some replica changes
+nothing, on every replica. Per-replica state (residues, the inner optimizer's slots
+under the update exchange) is kept per replica, and a checkpoint or ``.keras`` file keeps
+every replica's copy beside the mean (``tf_adacomp.replica_state``). It works without a
+strategy (compression applied locally, to study its effect on accuracy), under
 ``MirroredStrategy`` and under ``MultiWorkerMirroredStrategy``.
-
-With ``reduction="adasum"`` the replicas' contributions are combined with Adasum
-(``ops.adasum_reduce``) instead of averaged: with ``exchange="gradients"`` the Adasum of
-the replicas' own mean gradients is handed to the inner optimizer; with
-``exchange="updates"`` the Adasum of the decoded deltas is applied (Horovod's
-``DistributedOptimizer(op=hvd.Adasum)``). ``adasum_mode`` is the older name of that
-choice and stays accepted: ``adasum_mode="delta"`` is ``exchange="updates"``,
-``adasum_mode="gradient"`` is ``exchange="gradients"``.
 """
 
-import threading
-import time
 from typing import Optional
-import weakref
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_adacomp import _keywords
 from tf_adacomp import compile_log
 from tf_adacomp import distribute
 from tf_adacomp import ema
@@ -79,36 +33,23 @@ from tf_adacomp import hierarchy as hierarchy_lib
 from tf_adacomp import local_steps as local_steps_lib
 from tf_adacomp import replica_state
 from tf_adacomp import replica_steps
-from tf_adacomp import scaling
-from tf_adacomp import shared_moment
-from tf_adacomp import stats
+from tf_adacomp import wrapper_config
+from tf_adacomp import wrapper_stats
 from tf_adacomp.compat import keras_multi_worker
 from tf_adacomp.compat import loss_scale
-from tf_adacomp.compressors import base
 from tf_adacomp.compressors import registry
-from tf_adacomp.ops import checks
-from tf_adacomp.ops import fused
+from tf_adacomp.steps import arguments
+from tf_adacomp.steps import gradients as gradients_step
+from tf_adacomp.steps import guard as guard_lib
+from tf_adacomp.steps import inner as inner_lib
+from tf_adacomp.steps import local_rounds
+from tf_adacomp.steps import shared_adam
+from tf_adacomp.steps import updates as updates_step
+# Public names of this module (examples and users read them here).
+from tf_adacomp.steps.arguments import ADASUM_MODES, ALL_REDUCE_HOOK, DEFAULT_EXCHANGE, EXCHANGES  # noqa: F401  pylint: disable=unused-import
+from tf_adacomp.steps.shared_adam import DEFAULT_SECOND_MOMENT, PRECONDITIONS, default_second_moment  # noqa: F401  pylint: disable=unused-import
 
-# Keras' base optimizer arguments and their defaults (tests/test_optimizer.py checks them
-# against Keras' signature). Keras passes the defaults back when deserializing; any other
-# value belongs to the inner optimizer.
-_BASE_DEFAULTS = {"weight_decay": None, "clipnorm": None, "global_clipnorm": None,
-                  "clipvalue": None, "use_ema": False, "ema_momentum": 0.99,
-                  "ema_overwrite_frequency": None, "loss_scale_factor": None,
-                  "gradient_accumulation_steps": None}
-# The private method of Keras' TensorFlow optimizers that all-reduces gradients in
-# `apply` (keras/src/backend/tensorflow/optimizer.py; Keras 3.15): replaced on the inner
-# optimizer, whose gradients are summed already (and by ResIST's trainer). Guarded by
-# tests/test_optimizer.py.
-ALL_REDUCE_HOOK = "_all_reduce_sum_gradients"
-ADASUM_MODES = ("gradient", "delta")
-EXCHANGES = ("gradients", "updates")
-# What ``exchange=None`` means, per reduction (docs/convergence.md has the measurements
-# behind "updates"; Adasum keeps its documented default, the Adasum of gradients).
-DEFAULT_EXCHANGE = {"sum": "updates", "adasum": "gradients"}
-# What ``second_moment=None`` means for an Adam or AdamW under the update exchange.
-DEFAULT_SECOND_MOMENT = "global"
-_EXCHANGE_OF_ADASUM_MODE = {"gradient": "gradients", "delta": "updates"}
+_BASE_DEFAULTS = arguments.BASE_DEFAULTS
 
 
 class _InnerSetting:
@@ -139,7 +80,7 @@ class _InnerSetting:
 
 
 @keras.saving.register_keras_serializable(package="tf_adacomp")
-class CompressedOptimizer(keras.optimizers.Optimizer):
+class CompressedOptimizer(wrapper_stats.ByteCounts, keras.optimizers.Optimizer):
   """Wraps a Keras optimizer so that gradients (or its updates) are exchanged compressed.
 
   Mixed precision (``mixed_float16``): wrap ``LossScaleOptimizer(CompressedOptimizer(
@@ -291,63 +232,17 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       release that renamed it, or another backend.
   """
 
+
   def __init__(self, inner_optimizer, compressor="adacomp", start_step=0, name=None,
                reduction="sum", adasum_mode=None, exchange=None, momentum_masking=False,
                local_clipnorm=None, second_moment=None, second_moment_interval=None,
                precondition="before", local_steps=1, outer_optimizer=None, hierarchical=None,
                devices_per_worker=None, **kwargs):
-    for argument, default in _BASE_DEFAULTS.items():
-      value = kwargs.pop(argument, default)
-      if (value is None) != (default is None) or value != default:
-        raise ValueError(f"CompressedOptimizer does not take `{argument}`: set it on the "
-                         f"inner optimizer. Received: {argument}={value!r}")
-    # Keras' own base arguments are valid names too (at their defaults, above): a
-    # misspelt one is answered with the closest of either.
-    _keywords.refuse_unknown_keywords(
-        "CompressedOptimizer", kwargs,
-        _keywords.keyword_names(CompressedOptimizer.__init__) + tuple(_BASE_DEFAULTS))
-    if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
-      raise TypeError(f"`inner_optimizer` must be a keras.optimizers.Optimizer. "
-                      f"Received: inner_optimizer={inner_optimizer!r}")
-    if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
-      # The wrapper skips a non-finite step before the inner optimizer sees it, so a
-      # LossScaleOptimizer inside would never lower its scale (and skip every later
-      # overflowing step); around the wrapper it sees every gradient.
-      raise ValueError(
-          "CompressedOptimizer cannot wrap a LossScaleOptimizer (its loss scale would never "
-          "go down): wrap the other way round, LossScaleOptimizer(CompressedOptimizer("
-          "inner)), as Keras' mixed precision does for `model.compile`. Received: "
-          f"inner_optimizer={inner_optimizer!r}")
-    if not hasattr(inner_optimizer, ALL_REDUCE_HOOK):
-      # Without it the inner optimizer would all-reduce the already-summed gradient
-      # again: replicas x the gradient, and dense traffic besides.
-      raise RuntimeError(
-          f"CompressedOptimizer switches off the inner optimizer's own all-reduce "
-          f"(`{ALL_REDUCE_HOOK}` of Keras' TensorFlow optimizers), which this "
-          f"optimizer does not have (Keras {keras.__version__}, backend "
-          f"{keras.backend.backend()}). Received: inner_optimizer={inner_optimizer!r}")
-    start_step = checks.non_negative_int(start_step, "start_step")
-    reduction = exchange_lib.check_reduction(reduction)
-    exchange = _resolve_exchange(reduction, adasum_mode, exchange)
-    local_clipnorm = _check_local_clipnorm(local_clipnorm)
-    compressor = registry.get_compressor(compressor)
-    _check_momentum_masking(momentum_masking, exchange, inner_optimizer, compressor)
-    local_steps = local_steps_lib.check_local_steps(local_steps)
-    outer_optimizer = local_steps_lib.resolve_outer_optimizer(outer_optimizer)
-    _check_rounds(local_steps, outer_optimizer, exchange, reduction, momentum_masking)
-    if local_steps > 1 and getattr(inner_optimizer, "use_ema", False):
-      # Within a round each replica's weights are its own: there is no one average of
-      # them to keep, as Keras' EMA would.
-      raise ValueError("`local_steps` > 1 does not take an inner optimizer with "
-                       "use_ema=True (the replicas' weights differ within a round). "
-                       f"Received: local_steps={local_steps!r}, use_ema=True")
-    second_moment = _resolve_second_moment(second_moment, exchange, reduction,
-                                           inner_optimizer, momentum_masking, local_steps)
-    second_moment_interval = _check_second_moment_interval(second_moment_interval,
-                                                           second_moment)
-    precondition = _check_precondition(precondition, second_moment)
-    hierarchical = hierarchy_lib.check_hierarchical(hierarchical)
-    devices_per_worker = hierarchy_lib.check_devices_per_worker(devices_per_worker)
+    settings = arguments.resolve(
+        CompressedOptimizer.__init__, inner_optimizer, compressor, start_step, reduction,
+        adasum_mode, exchange, momentum_masking, local_clipnorm, second_moment,
+        second_moment_interval, precondition, local_steps, outer_optimizer, hierarchical,
+        devices_per_worker, kwargs)
     # Keras 3 model.fit needs a fix under multi-worker MultiWorkerMirroredStrategy:
     # applied here and in build(), so that the standard strategy constructor just works.
     keras_multi_worker.apply_keras_multi_worker_fix_for(tf.distribute.get_strategy())
@@ -356,21 +251,10 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     loss_scale.apply_loss_scale_fix()
     super().__init__(learning_rate=0.0, name=name)
     self.inner_optimizer = inner_optimizer
-    self.compressor = compressor
-    self.start_step = start_step
-    self.reduction = reduction
-    self._exchange = exchange_lib.Exchange(compressor, reduction)
+    for field, value in settings._asdict().items():
+      setattr(self, field, value)
+    self._exchange = exchange_lib.Exchange(self.compressor, self.reduction)
     self._adasum_mode_argument = adasum_mode
-    self.exchange = exchange
-    self.momentum_masking = momentum_masking
-    self.local_clipnorm = local_clipnorm
-    self.second_moment = second_moment
-    self.second_moment_interval = second_moment_interval
-    self.precondition = precondition
-    self.local_steps = local_steps
-    self.outer_optimizer = outer_optimizer
-    self.hierarchical = hierarchical
-    self.devices_per_worker = devices_per_worker
     self.hierarchy = None  # set by build(), from the strategy
 
   # A LossScaleOptimizer around this one decides whether a step is finite over all
@@ -398,12 +282,9 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     self.hierarchy = hierarchy_lib.resolve(self._distribution_strategy, self.hierarchical,
                                            self.devices_per_worker)
     self.plans = [self.compressor.plan(v.shape, v.dtype, _variable_path(v)) for v in var_list]
-    self.residues = []
-    for variable, plan in zip(var_list, self.plans):
-      name = _variable_path(variable).replace("/", "_").replace(":", "_")
-      self.residues.append(tuple(
-          self._add_replica_variable(variable, spec, f"{name}_residue")
-          for spec in self.compressor.state_specs(plan)))
+    self.residues = [tuple(self._add_replica_variable(v, spec, _variable_name(v, "residue"))
+                           for spec in self.compressor.state_specs(plan))
+                     for v, plan in zip(var_list, self.plans)]
     self.bytes_sent = self.add_variable(shape=(len(var_list),), dtype="int64",
                                         aggregation="only_first_replica", name="bytes_sent")
     # The first step compiles the kernels (tens of seconds): say so, and how long it took.
@@ -413,7 +294,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     self._compile_log = compile_log.FirstCompile(
         "CompressedOptimizer", lambda: int(self.iterations.numpy()) >= first_exchange)
     self._compile_log.start()
-    self._scaling_watch = _watch_scaling(self)
+    self._scaling_watch = wrapper_stats.watch_scaling(self)
     if self.second_moment in ("shared", "global"):
       # The second moment every replica divides by (equal on all; a checkpoint stores
       # it) and, for "global", each replica's moment of its squared first moment.
@@ -454,20 +335,39 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       super().build(var_list)
     finally:
       self._reading_own_settings = False
+    self._step = self._make_step()
     # A checkpoint keeps each replica's own copy of the per-replica state (residues, the
     # inner optimizer's slots): a resume on as many replicas is the run that was saved.
     # Last, once every variable has its value from a restore under way.
     replica_state.attach(self.variables)
+
+  def _make_step(self):
+    """The exchange mode's step (``tf_adacomp.steps``) over this wrapper's state."""
+    guard = guard_lib.Guard(self._exchange, self.hierarchy, self.plans, self.residues,
+                            self.bytes_sent, self._distribution_strategy,
+                            on_traced=self._compile_log.traced)
+    inner = inner_lib.KerasInner(self.inner_optimizer, self.local_clipnorm)
+    if self.second_moment in ("shared", "global"):
+      return shared_adam.SharedMoment(
+          guard, inner, self.second_moment, self.precondition, self.second_moment_interval,
+          self.local_clipnorm, self.shared_velocities, self.moment_synced_at,
+          getattr(self, "momentum_squares", None))
+    if self.exchange == "gradients":
+      return gradients_step.GradientExchange(guard, inner, self.local_clipnorm)
+    if self.local_steps > 1:
+      return local_rounds.LocalRounds(guard, inner, self.local_steps, self.anchors,
+                                      self._trainable_variables, self.outer_optimizer)
+    return updates_step.UpdateExchange(guard, inner, self.momentum_masking,
+                                       self.outer_optimizer)
 
   def _add_moment_variables(self, var_list, suffix, aggregation="mean"):
     """One float variable per variable of ``var_list``, a value per replica, stored as
     the replicas' mean (``_add_replica_variable``); with ``"only_first_replica"``, for a
     value equal on every replica, as the first replica's (a mean of equal float32
     copies is not always the value itself)."""
-    return [self._add_replica_variable(
-        v, tf.TensorSpec(v.shape, v.dtype),
-        _variable_path(v).replace("/", "_").replace(":", "_") + "_" + suffix,
-        aggregation=aggregation) for v in var_list]
+    return [self._add_replica_variable(v, tf.TensorSpec(v.shape, v.dtype),
+                                       _variable_name(v, suffix), aggregation=aggregation)
+            for v in var_list]
 
   def _add_replica_variable(self, reference, spec, name, aggregation=None):
     """A variable with one value per replica (each replica's residue is its own).
@@ -497,6 +397,9 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     self._track_variable(variable)
     return variable
 
+  def _is_built(self):
+    return self.built
+
   @property
   def variables(self):
     outer = [] if isinstance(self.outer_optimizer, str) else self.outer_optimizer.variables
@@ -525,513 +428,16 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
     grads, trainable_variables = list(grads), list(trainable_variables)
     self._check_variables_are_known(trainable_variables)  # Keras' ValueError, before any change
     indices = [self._get_variable_index(v) for v in trainable_variables]
-    plans = [self.plans[i] for i in indices]
-    states = [tuple(tf.convert_to_tensor(r.value) for r in self.residues[i]) for i in indices]
     dense = self.iterations < self.start_step if self.start_step else None
-    ctx = tf.distribute.get_replica_context()
-    replicas = ctx.num_replicas_in_sync
-
-    if self.second_moment in ("shared", "global"):
-      self._apply_shared_moment(grads, trainable_variables, indices, plans, states, dense)
+    if not self.inner_optimizer.use_ema:
+      self._step(grads, trainable_variables, indices, dense)
       return
     before = tf.convert_to_tensor(self.iterations)
-    if self.exchange == "updates":
-      self._apply_updates(grads, trainable_variables, indices, plans, states, dense)
-      self._update_ema(before)
-      return
-    # One replica whose exchange sends every gradient as it is: the sum is its own
-    # gradient, and the clip waits for the inner step (``_apply_own``), as Keras'
-    # global_clipnorm, the documented equivalent, clips inside its own step.
-    clip_after = replicas == 1 and all(
-        self._exchange.sends_exactly(p) for p, g in zip(plans, grads) if g is not None)
-    if self.local_clipnorm is not None and not clip_after:
-      # Each replica's own mean gradient is grads * replicas: clip it to local_clipnorm
-      # (dense afterwards, as Keras' global_clipnorm makes an IndexedSlices).
-      grads = replica_steps.clip_by_global_norm(grads, self.local_clipnorm / replicas)
-    # An Embedding's IndexedSlices that the exchange would send whole and exactly go as
-    # Keras' own all-reduce sends them (the replicas' slices joined): the inner Adam then
-    # adds the slices' squares to its second moment, as Keras does, where the dense sum
-    # would give it the square of the summed duplicate rows.
-    slices = [k for k, g in enumerate(grads)
-              if isinstance(g, tf.IndexedSlices) and self._exchange.sends_exactly(plans[k])]
-    rest = [None if k in slices else g for k, g in enumerate(grads)]
-    if any(g is not None for g in rest):
-      exchanged = self._exchange.replica_exchange(plans, rest, states, dense, self.hierarchy)
-    else:  # nothing for the compressed exchange
-      exchanged = exchange_lib.Exchanged(rest, list(states), [None] * len(rest))
-    # Keras divides each replica's loss by the replica count, so the sum of the gradients
-    # is the mean gradient; with Adasum, Adasum(c * g) = c * Adasum(g) makes this the
-    # Adasum of the replicas' own mean gradients.
-    sums = [None if s is None else self._exchange.reduction.to_sum(s, replicas)
-            for s in exchanged.sums]
-    nbytes = list(exchanged.nbytes)
-    if slices:
-      gathered = ctx.all_reduce(tf.distribute.ReduceOp.SUM, [grads[k] for k in slices])
-      for k, total in zip(slices, gathered):
-        sums[k] = total
-        nbytes[k] = _slices_nbytes(grads[k])
-    finite = fused.all_finite(sums)
-    self._keep_states(indices, states, exchanged.states, finite)
-    self._record_bytes(indices, nbytes)
-    if clip_after:
-      step = lambda summed: self._apply_own(summed, trainable_variables)  # noqa: E731
-    else:
-      step = lambda summed: self._apply_inner(summed, trainable_variables)  # noqa: E731
-    self._on_every_replica_if(finite, step, sums)
-    self._update_ema(before)
-
-  def _update_ema(self, before):
-    """The inner optimizer's EMA of the exchanged weights (``tf_adacomp.ema``), if it has
-    one and this step was taken (``iterations`` moved on from ``before``)."""
-    if self.inner_optimizer.use_ema:
-      ema.update_after_exchange(self.inner_optimizer, tf.not_equal(self.iterations, before),
-                                self._assign_per_replica)
-
-  def _apply_updates(self, grads, variables, indices, plans, states, dense):
-    """The update exchange: local optimizer steps, then the mean (``reduction="sum"``)
-    or Adasum (``"adasum"``) of the replicas' compressed weight updates; with
-    ``local_steps=H`` only every H-th step ends a round and exchanges anything, weights
-    set between steps re-anchor the round, and a variable built with but no longer
-    trained joins the exchange of a round in which it was stepped
-    (``tf_adacomp.local_steps``)."""
-    ctx = tf.distribute.get_replica_context()
-    replicas = ctx.num_replicas_in_sync
-    # This replica's mean gradient. An Embedding's IndexedSlices stay slices: the inner
-    # optimizer takes its step on them as Keras does (Adam adds the slices' squares).
-    # Clipped to local_clipnorm in the step (``_apply_own``); a clip leaves a gradient
-    # that is not finite not finite, so the unclipped one decides.
-    own = [_own_gradient(g, replicas) for g in grads]
-    if self.local_steps == 1:
-      # Every replica must take the same branch: step only if all gradients are finite.
-      bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                           tf.cast(tf.logical_not(fused.all_finite(own)), tf.float32))
-      stepped = tf.equal(bad, 0.0)
-      anchors = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
-      with tf.control_dependencies(anchors):
-        self._on_every_replica_if(
-            stepped, lambda local: self._apply_own(local, variables), own)
-      # Automatic control dependencies order these reads after the local step.
-      self._finish_round(variables, indices, plans, states, anchors,
-                         [None if g is None else tf.convert_to_tensor(v) - a
-                          for g, v, a in zip(grads, variables, anchors)], dense, stepped)
-      return
-    # Rounds of local steps. Nothing crosses devices until the round's last step, which
-    # decides whether it was finite. "Idle" variables: the optimizer was built with them
-    # and this step does not train them (a layer frozen since, or no gradient); one that
-    # this replica stepped in this round joins the round's exchange.
-    state = local_steps_lib.round_state(self)
-    done = tf.cast(self.iterations, tf.int64)  # the steps before this one
-    trained = [k for k, g in enumerate(grads) if g is not None]
-    stepping, at = [variables[k] for k in trained], [indices[k] for k in trained]
-    idle = [i for i in range(len(self.plans)) if i not in set(at)]
-    idle_variables = [self._trainable_variables[i] for i in idle]
-    anchors, joins = self._start_round(state, done, stepping, at, idle)
-    with tf.control_dependencies(anchors + joins):
-      self._apply_own(own, variables)
-    round_end = local_steps_lib.is_round_end(self.iterations, self.local_steps)
-    # What this step left, for the next step to tell a `set_weights` from (at a round's
-    # end the exchange sets the weights, and the next round begins anew).
-    tf.cond(round_end, lambda: tf.constant(False),
-            lambda: local_steps_lib.record_step(state, at, stepping,
-                                                tf.cast(self.iterations, tf.int64)))
-    self._record_bytes(indices, [None] * len(indices), traced=False)  # unless a round ends
-
-    def finish(own, with_idle):
-      own_states, own_anchors, own_joins = own
-      # Automatic control dependencies order these reads after the local step.
-      deltas = [tf.convert_to_tensor(v) - a for v, a in zip(stepping, own_anchors)]
-      if not with_idle:
-        return self._finish_round(stepping, at, [plans[k] for k in trained], own_states,
-                                  own_anchors, deltas, dense, None)
-      # Read here, in each replica: its own copies.
-      idle_anchors = [tf.convert_to_tensor(self.anchors[i]) for i in idle]
-      return self._finish_round(
-          stepping + idle_variables, at + idle,
-          [plans[k] for k in trained] + [self.plans[i] for i in idle],
-          list(own_states) + [tuple(tf.convert_to_tensor(r.value) for r in self.residues[i])
-                              for i in idle],
-          list(own_anchors) + idle_anchors,
-          deltas + [tf.where(j, tf.convert_to_tensor(v) - a, tf.zeros_like(a))
-                    for j, v, a in zip(own_joins, idle_variables, idle_anchors)],
-          dense, None, masks=[None] * len(at) + list(own_joins))
-
-    # Each replica's own values go through the arguments: under MirroredStrategy the
-    # function runs for every replica from one thread, and a closure would hand every
-    # replica the first one's residues. The pseudo-updates are computed in the round's
-    # last step only (a pass over the weights).
-    values = ([states[k] for k in trained], anchors, joins)
-    if not idle:
-      self._on_every_replica_if(round_end, lambda own: finish(own, False), values)
-      return
-    # Whether an idle variable joins is the same on every replica (all take the same steps).
-    joined = tf.reduce_any(tf.stack(joins))
-    self._on_every_replica_if(tf.logical_and(round_end, tf.logical_not(joined)),
-                              lambda own: finish(own, False), values)
-    self._on_every_replica_if(tf.logical_and(round_end, joined),
-                              lambda own: finish(own, True), values)
-
-  def _start_round(self, state, done, variables, indices, idle):
-    """This replica's anchors for ``variables`` (at ``indices``), which the step after
-    ``done`` steps trains, and for each ``idle`` variable (built with, not trained by
-    this step) whether this replica stepped it in this round, so that it joins the
-    round's exchange.
-
-    A variable's anchor is set to its weights where it joins a round: at the round's
-    first step, or at the first step of the round that trains it. On this replica it is
-    set again where the weights are not what this replica's last local step left
-    (``state``'s fingerprints): they were set from outside, and the round goes on from
-    them; ``state.moved_at`` records it (``tf_adacomp.local_steps``). Without a record
-    of the step before (the first step, a round's first, or after a restore, which set
-    ``iterations``) anchors are set at a round's first step only.
-    """
-    position = tf.math.floormod(done, self.local_steps)
-    begun = done - position  # the steps before this round
-    known = tf.equal(tf.convert_to_tensor(state.recorded_at), done)
-    stepped_at = tf.convert_to_tensor(state.stepped_at)
-    prints = tf.convert_to_tensor(state.fingerprints)
-
-    def jumps(weights, at, candidates):
-      # Where `candidates`, whether the weights' fingerprints are not the recorded ones
-      # (one pass over `weights`, taken only if any is a candidate).
-      recorded = tf.gather(prints, at)
-      now = tf.cond(tf.reduce_any(candidates),
-                    lambda: local_steps_lib.fingerprints(weights), lambda: recorded)
-      return tf.logical_and(candidates, tf.not_equal(now, recorded))
-
-    anchors, jumped, joins = [], [], []
-    if indices:
-      at = tf.constant(indices, tf.int64)
-      fresh = tf.where(known, tf.gather(stepped_at, at) <= begun,
-                       tf.fill([len(indices)], tf.equal(position, 0)))
-      jumped.append(jumps(variables, at, tf.logical_and(known, tf.logical_not(fresh))))
-      for k, (i, variable) in enumerate(zip(indices, variables)):
-        anchor, weight = self.anchors[i], tf.convert_to_tensor(variable)
-        anchors.append(tf.cond(tf.logical_or(fresh[k], jumped[0][k]),
-                               lambda a=anchor, w=weight: _assigned(a, w),
-                               lambda a=anchor: tf.convert_to_tensor(a)))
-    if idle:
-      at = tf.constant(idle, tf.int64)
-      joining = tf.logical_and(known, tf.gather(stepped_at, at) > begun)
-      idle_variables = [self._trainable_variables[i] for i in idle]
-      jumped.append(jumps(idle_variables, at, joining))
-      for k, (i, variable) in enumerate(zip(idle, idle_variables)):
-        anchor = self.anchors[i]
-        anchored = tf.cond(jumped[-1][k],
-                           lambda a=anchor, v=variable: _assigned(a, tf.convert_to_tensor(v)),
-                           lambda a=anchor: tf.zeros(a.shape, a.dtype))
-        with tf.control_dependencies([anchored]):
-          joins.append(tf.identity(joining[k]))
-    everywhere = list(indices) + list(idle)
-    moved_at = tf.convert_to_tensor(state.moved_at)
-    moved_at = tf.where(known, moved_at, tf.zeros_like(moved_at))  # a new round, or no record
-    if everywhere:
-      at = tf.constant(everywhere, tf.int64)
-      moved_at = tf.tensor_scatter_nd_update(
-          moved_at, at[:, None],
-          tf.where(tf.concat(jumped, 0), done + 1, tf.gather(moved_at, at)))
-    with tf.control_dependencies([state.moved_at.assign(moved_at)]):
-      return [tf.identity(a) for a in anchors], joins
-
-  def _finish_round(self, variables, indices, plans, states, anchors, deltas, dense, stepped,
-                    masks=None):
-    """A round's end: the replicas' pseudo-updates ``deltas`` (local weights minus
-    ``anchors``) compressed, exchanged and combined; the outer optimizer (or the mean)
-    moves the anchor and every replica adopts it. ``stepped`` is whether every replica
-    took its local step (None: decided here, from the pseudo-updates, with local steps;
-    then no delta is None).
-
-    With local steps, where a replica re-anchored a variable in the round (its weights
-    were set from outside), every replica first takes the latest such anchor and
-    measures its pseudo-update from it (``local_steps.adopt_latest_anchors``).
-    ``masks``: None, or per variable None (trained by this step) or whether that idle
-    variable joins the round (its delta is zero where not): one that joins gets the mean
-    without the outer optimizer's step; one that does not keeps its weights and residues.
-    """
-    ctx = tf.distribute.get_replica_context()
-    replicas = ctx.num_replicas_in_sync
-    masks = [None] * len(variables) if masks is None else list(masks)
-    if stepped is None:
-      moved = local_steps_lib.moved_in_round(
-          local_steps_lib.round_state(self), indices,
-          tf.cast(self.iterations, tf.int64) - self.local_steps)
-      # One all-reduce: whether a replica's round went non-finite, and whether one
-      # re-anchored a variable.
-      flags = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.stack([
-          tf.cast(tf.logical_not(fused.all_finite(deltas)), tf.float32),
-          tf.reduce_sum(moved)]))
-      stepped = tf.equal(flags[0], 0.0)
-      re_anchored = flags[1] > 0.0
-      anchor_variables = [self.anchors[i] for i in indices]
-      self._on_every_replica_if(
-          re_anchored,
-          lambda own: local_steps_lib.adopt_latest_anchors(anchor_variables, own[0], own[1]),
-          (moved, anchors))
-
-      def measured_again():
-        # Automatic control dependencies order these reads after the adoption.
-        new = [tf.convert_to_tensor(a) for a in anchor_variables]
-        return new, [tf.convert_to_tensor(v) - a if m is None
-                     else tf.where(m, tf.convert_to_tensor(v) - a, tf.zeros_like(a))
-                     for v, a, m in zip(variables, new, masks)]
-
-      anchors, deltas = tf.cond(re_anchored, measured_again,
-                                lambda: (list(anchors), list(deltas)))
-      # Nothing that is not finite enters a compressor (its residue is kept anyway).
-      deltas = [tf.where(stepped, d, tf.zeros_like(d)) for d in deltas]
-    exchanged = self._exchange.replica_exchange(plans, deltas, states, dense,
-                                                self.hierarchy)
-    # The mean of the replicas' updates (or their Adasum).
-    combined = [None if s is None else self._exchange.reduction.to_mean(s, replicas)
-                for s in exchanged.sums]
-    finite = tf.logical_and(stepped, fused.all_finite(combined))
-    if all(m is None for m in masks):
-      self._keep_states(indices, states, exchanged.states, finite)
-    else:
-      for k, mask in enumerate(masks):
-        self._keep_states([indices[k]], [states[k]], [exchanged.states[k]],
-                          finite if mask is None else tf.logical_and(finite, mask))
-    self._record_bytes(indices, exchanged.nbytes)
-    if self.momentum_masking:
-      sent_step = finite if dense is None else tf.logical_and(finite, tf.logical_not(dense))
-      self._mask_momentum(variables, states, deltas, exchanged.states, sent_step)
-    present = [k for k, c in enumerate(combined) if c is not None]
-    # Idle variables take the mean whatever the outer optimizer: they are not trained.
-    stepped_outer = ([] if isinstance(self.outer_optimizer, str)  # "average"
-                     else [k for k in present if masks[k] is None])
-    averaged = [k for k in present if k not in stepped_outer]
-    if averaged:
-      self._assign_per_replica(
-          [variables[k] for k in averaged],
-          [fused.add_if(finite, anchors[k], combined[k]) if masks[k] is None
-           else tf.where(masks[k], fused.add_if(finite, anchors[k], combined[k]),
-                         tf.convert_to_tensor(variables[k])) for k in averaged])
-    if stepped_outer:
-      self._outer_step([variables[k] for k in stepped_outer],
-                       [anchors[k] for k in stepped_outer],
-                       [combined[k] for k in stepped_outer], finite)
-    if self.local_steps > 1:
-      # A skipped round: a replica whose own steps went non-finite keeps going from the
-      # anchor with the finite part of its optimizer state.
-      slots = [x for x in self.inner_optimizer.variables if tf.as_dtype(x.dtype).is_floating]
-      self._assign_per_replica(slots, [
-          tf.where(finite, tf.convert_to_tensor(x),
-                   local_steps_lib.without_non_finite(tf.convert_to_tensor(x))) for x in slots])
-    return tf.constant(True)
-
-  def _outer_step(self, variables, anchors, updates, finite):
-    """The outer optimizer's step from the anchors on the pseudo-gradient ``-updates``
-    (the same on every replica); a round that is not finite leaves the anchors and the
-    outer optimizer's state as they were."""
-    outer = self.outer_optimizer
-    old_state = [tf.convert_to_tensor(x) for x in outer.variables]
-    with tf.control_dependencies(old_state):
-      self._assign_per_replica(variables, anchors)
-    gradients = [tf.where(finite, -u, tf.zeros_like(u)) for u in updates]
-    outer.apply(gradients, variables)
-    # Automatic control dependencies order these reads after the outer step.
-    self._assign_per_replica(
-        list(variables) + list(outer.variables),
-        [tf.where(finite, tf.convert_to_tensor(v), a) for v, a in zip(variables, anchors)]
-        + [tf.where(finite, tf.convert_to_tensor(x), old)
-           for x, old in zip(outer.variables, old_state)])
-
-  def _apply_shared_moment(self, grads, variables, indices, plans, states, dense):
-    """The update exchange with Adam's second moment shared by every replica
-    (``shared_moment``): local moments, the shared one computed from the replicas' means
-    at the sync steps, the replicas' steps compressed and their mean applied. A step
-    whose gradient is not finite on some replica, or whose combined step is not, changes
-    nothing (weights, moments, residues, ``iterations``)."""
-    ctx = tf.distribute.get_replica_context()
-    replicas = ctx.num_replicas_in_sync
-    inner = self.inner_optimizer
-    own = [_own_gradient(g, replicas) for g in grads]
-    if self.local_clipnorm is not None:
-      # Dense afterwards, as Keras' global_clipnorm makes an IndexedSlices: Adam then
-      # adds the square of the clipped, summed rows, as Keras does.
-      own = replica_steps.clip_by_global_norm(own, self.local_clipnorm)
-    t = tf.cast(inner.iterations, tf.int64) + 1
-    learning_rate = inner.learning_rate
-    momentums, velocities = shared_moment.moment_slots(inner)
-    present = [k for k, g in enumerate(own) if g is not None]
-    indices_present = [indices[k] for k in present]
-    slots = [inner._get_variable_index(variables[k]) for k in present]  # pylint: disable=protected-access
-    # Per variable: the inner optimizer's first and second moments (this replica's),
-    # the shared second moment and, for "global", this replica's moment of m^2.
-    tracked = {"m": [momentums[j] for j in slots], "v": [velocities[j] for j in slots],
-               "shared": [self.shared_velocities[i] for i in indices_present]}
-    if self.second_moment == "global":
-      tracked["w"] = [self.momentum_squares[i] for i in indices_present]
-    old = {key: [tf.convert_to_tensor(x) for x in xs] for key, xs in tracked.items()}
-    old_synced_at = tf.convert_to_tensor(self.moment_synced_at)
-    # An Embedding's IndexedSlices gradient: Keras' Adam adds its slices' squares to v.
-    sparse = [isinstance(own[k], tf.IndexedSlices) for k in present]
-    new = {"m": [], "v": [], "w": []}
-    for k, m, v, is_sparse in zip(present, old["m"], old["v"], sparse):
-      square = shared_moment.sparse_square(own[k]) if is_sparse else None
-      m, v = shared_moment.local_moments(m, v, own[k], inner.beta_1, inner.beta_2, square)
-      new["m"].append(m)
-      new["v"].append(v)
-    for m, w in zip(new["m"], old.get("w", [])):
-      new["w"].append(shared_moment.local_momentum_square(w, m, t, inner.beta_1, inner.beta_2))
-    # Every replica must take the same branches: step only if all gradients are finite.
-    bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                         tf.cast(tf.logical_not(fused.all_finite(own)), tf.float32))
-    stepped = tf.equal(bad, 0.0)
-    if replicas == 1:  # the average of one is free: take it every step (plain Adam)
-      sync = stepped
-    else:
-      sync = tf.logical_and(stepped, tf.logical_or(
-          shared_moment.is_sync_step(t, self.second_moment_interval),
-          tf.equal(old_synced_at, 0)))
-    synced_at = tf.where(sync, t, old_synced_at)
-    averaged = ["v", "w"] if "w" in tracked else ["v"]
-
-    def average(values):
-      # bfloat16 on the wire: float32's range (a second moment spans many decades),
-      # 0.4% relative error, about 0.2% on Adam's step. One replica sends nothing.
-      wire = tf.bfloat16 if replicas > 1 else values[0].dtype
-      means = tf.distribute.get_replica_context().all_reduce(
-          tf.distribute.ReduceOp.MEAN, [tf.cast(x, wire) for x in values])
-      means = [tf.cast(x, v.dtype) for x, v in zip(means, values)]
-      mean = dict(zip(averaged, (means[i * len(present):(i + 1) * len(present)]
-                                 for i in range(len(averaged)))))
-      # Sparse (slice-squared) moments add up across replicas: theirs is Keras' exactly.
-      shared = [v / replicas if is_sparse else
-                v if self.second_moment == "shared" else
-                shared_moment.global_moment(v, w, replicas, inner.beta_1)
-                for v, w, is_sparse in zip(mean["v"], mean.get("w", mean["v"]), sparse)]
-      # Each replica's own moments restart from the replicas' mean (which they keep).
-      self._assign_per_replica(
-          tracked["shared"] + [x for key in averaged for x in tracked[key]],
-          shared + [x for key in averaged for x in mean[key]])
-      return tf.constant(True)
-
-    with tf.control_dependencies([x for xs in old.values() for x in xs]):
-      self._on_every_replica_if(sync, average, [x for key in averaged for x in new[key]])
-    # Automatic control dependencies order these reads after the average.
-    after = {key: [tf.convert_to_tensor(x) for x in tracked[key]]
-             for key in ["shared"] + averaged}
-    # The step, or with precondition="after" the step before its division by the shared
-    # moment (the same on every replica, so it can follow the exchange).
-    deltas = [None] * len(own)
-    divisors = {}
-    alpha = shared_moment.step_size(learning_rate, t, synced_at, inner.beta_1, inner.beta_2)
-    bound = shared_moment.step_bound(alpha, inner.beta_1, inner.beta_2)
-    # Each replica's step is bounded only where the shared moment is older than this
-    # step: at an average (every step with one replica) it is Adam's step exactly.
-    stale = tf.not_equal(synced_at, t)
-    for k, m, v in zip(present, new["m"], after["shared"]):
-      update = -tf.cast(alpha, m.dtype) * m
-      divisors[k] = shared_moment.divisor(v, inner.epsilon)
-      if self.precondition == "before":
-        update = update / divisors[k]
-      # "after" bounds the same quotient before it is sent (update / divisor, so the
-      # two are equal without compression): the mean of bounded steps is bounded.
-      update = tf.where(stale, shared_moment.clip(
-          update, bound if self.precondition == "before" else bound * divisors[k]), update)
-      deltas[k] = tf.where(stepped, update, tf.zeros_like(update))
-    exchanged = self._exchange.replica_exchange(plans, deltas, states, dense,
-                                                self.hierarchy)
-    combined = [None if s is None else self._exchange.reduction.to_mean(s, replicas)
-                for s in exchanged.sums]
-    if self.precondition == "after":  # the same divisor on every replica: exact
-      combined = [c if c is None else c / divisors[k] for k, c in enumerate(combined)]
-    finite = tf.logical_and(stepped, fused.all_finite(combined))
-    self._keep_states(indices, states, exchanged.states, finite)
-    # Every byte counts: a sync step also sends the averaged moments, dense bfloat16
-    # (with more than one replica: one replica's average sends nothing).
-    nbytes = list(exchanged.nbytes)
-    for k in present if replicas > 1 else ():
-      size = len(averaged) * variables[k].shape.num_elements() * 2
-      moment_bytes = tf.where(sync, tf.constant(size, tf.int64), tf.constant(0, tf.int64))
-      nbytes[k] = (moment_bytes if nbytes[k] is None
-                   else tf.cast(nbytes[k], tf.int64) + moment_bytes)
-    self._record_bytes(indices, nbytes)
-    targets, values = [], []
-    for key in tracked:
-      for i, variable in enumerate(tracked[key]):
-        if key == "shared":
-          value = after[key][i]
-        elif key == "m":
-          value = new[key][i]
-        else:  # the replicas' mean after an average, this replica's own otherwise
-          value = tf.where(sync, after[key][i], new[key][i])
-        targets.append(variable)
-        values.append(tf.where(finite, value, old[key][i]))
-    pairs = [(variables[k], fused.add_if(
-        finite, shared_moment.decayed(inner, variables[k], tf.convert_to_tensor(variables[k]),
-                                      learning_rate),
-        combined[k])) for k in present]
-    self._assign_per_replica(targets + [v for v, _ in pairs], values + [x for _, x in pairs])
-    self.moment_synced_at.assign(tf.where(finite, synced_at, old_synced_at))
-    inner.iterations.assign_add(tf.cast(finite, inner.iterations.dtype))
-
-  def _mask_momentum(self, variables, old_states, deltas, new_states, masked_step):
-    """DGC's momentum factor masking: zero this replica's momentum where it sent.
-
-    An element counts as sent where the new residue is not the old residue plus this
-    step's update (the compressor sent all or part of it). Variables without a residue
-    (sent whole every step) are left alone, and so is everything when ``masked_step`` is
-    false (a skipped step or a dense warm-up step).
-    """
-    slots = _first_moment_slots(self.inner_optimizer)
-    targets, values = [], []
-    for variable, old, delta, new in zip(variables, old_states, deltas, new_states):
-      position = None if delta is None else base.residue_position(old, delta.shape)
-      if position is None:
-        continue
-      residue, new_residue = old[position], new[position]
-      held = residue + tf.cast(delta, residue.dtype)  # G of the compressor
-      sent = tf.logical_and(masked_step, tf.not_equal(held, new_residue))
-      slot = slots[self.inner_optimizer._get_variable_index(variable)]  # pylint: disable=protected-access
-      value = tf.convert_to_tensor(slot)
-      targets.append(slot)
-      values.append(tf.where(sent, tf.zeros_like(value), value))
-    self._assign_per_replica(targets, values)
-
-  def _keep_states(self, indices, old_states, new_states, finite):
-    """Stores the compressor states of a finite step; keeps the old ones otherwise."""
-    for i, old, new in zip(indices, old_states, new_states):
-      for variable, old_value, new_value in zip(self.residues[i], old, new):
-        variable.assign(tf.where(finite, new_value, old_value))
-
-  def _on_every_replica_if(self, flag, fn, values):
-    """Calls ``fn(values)`` in every replica if ``flag`` (``replica_steps``)."""
-    replica_steps.on_every_replica_if(flag, fn, values)
-
-  def _assign_per_replica(self, variables, values):
-    """Sets each replica's copy of each variable to that replica's value (for weights the
-    values are equal on all replicas; for the inner optimizer's slots they differ)."""
-    replica_steps.assign_per_replica(
-        self._distribution_strategy,
-        [v.value if isinstance(v, keras.Variable) else v for v in variables], values)
-
-  def _record_bytes(self, indices, nbytes, traced=True):
-    values = tf.tensor_scatter_nd_update(
-        tf.zeros([len(self.plans)], tf.int64), [[i] for i in indices],
-        [tf.zeros([], tf.int64) if b is None else tf.cast(b, tf.int64) for b in nbytes])
-    self.bytes_sent.assign(values)
-    if traced:  # once per step, after the exchange created its kernels
-      self._compile_log.traced()
-
-  def _apply_own(self, grads, trainable_variables):
-    """The inner optimizer's step on this replica's own gradient, clipped to
-    ``local_clipnorm`` first. The clip is traced beside the step, as Keras'
-    ``global_clipnorm`` clips in ``apply``: TensorFlow's graph optimizer (its arithmetic
-    optimizer reorders a chain of scalings such as the clip's and SGD's learning rate)
-    then rewrites both alike, and one replica is the inner optimizer with
-    ``global_clipnorm`` bit for bit."""
-    if self.local_clipnorm is not None:
-      grads = replica_steps.clip_by_global_norm(grads, self.local_clipnorm)
-    return self._apply_inner(grads, trainable_variables)
-
-  def _apply_inner(self, grads, trainable_variables):
-    """The inner optimizer's step on ``grads``: summed (or Adasum-combined) over the
-    replicas, or with the update exchange this replica's own (each replica steps its own
-    copy)."""
-    with ema.deferred():  # its EMA follows the exchange (_update_ema)
-      self.inner_optimizer.apply(grads, trainable_variables)
-    return tf.constant(True)
+    self._step(grads, trainable_variables, indices, dense)
+    # The inner optimizer's EMA of the exchanged weights (tf_adacomp.ema), if this step
+    # was taken (`iterations` moved on from `before`).
+    ema.update_after_exchange(self.inner_optimizer, tf.not_equal(self.iterations, before),
+                              self._step.guard.assign_per_replica)
 
   # --- Forwarded to the inner optimizer -------------------------------------------
 
@@ -1089,12 +495,6 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
 
   # --- Statistics and serialization -----------------------------------------------
 
-  def variable_bytes(self):
-    """``[(plan, bytes one replica sent for that variable in the last step)]``."""
-    if not self.built:
-      return []
-    return list(zip(self.plans, (int(b) for b in self.bytes_sent.numpy())))
-
   def moment_bytes(self):
     """Of ``variable_bytes()``, what the last step's average of Adam's moments sent.
 
@@ -1107,21 +507,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       Bytes per variable, in ``variable_bytes()``'s order (zeros at a step that averaged
       nothing), or None without a shared second moment.
     """
-    if not self.built or self.second_moment not in ("shared", "global"):
-      return None
-    replicas = self._distribution_strategy.num_replicas_in_sync
-    synced = int(self.moment_synced_at.numpy()) == int(self.inner_optimizer.iterations.numpy())
-    if replicas == 1 or not synced:
-      return [0] * len(self.plans)
-    averaged = 2 if self.second_moment == "global" else 1  # v, and m^2 for "global"
-    # The step counts averaged * elements * 2 bytes for each variable that had a gradient;
-    # one without sent nothing at all, so the smaller of the two is what was sent.
-    return [min(int(sent), averaged * plan.shape.num_elements() * 2)
-            for plan, sent in zip(self.plans, self.bytes_sent.numpy())]
-
-  def compression_stats(self):
-    """Bytes of the last step per variable kind and in total (see ``stats``)."""
-    return stats.summarize(self.variable_bytes()) if self.built else {}
+    return wrapper_stats.moment_bytes(self)
 
   def check_scaling(self, warn: bool = True) -> Optional[bool]:
     """Whether the all-gather of this exchange has more senders than pays (scaling.py).
@@ -1141,26 +527,7 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
       True past the crossover, False before it, None when it cannot tell (not built,
       one sender, no compact payload, a warm-up step or a step that sent nothing).
     """
-    if not self.built:
-      return None
-    senders = (self.hierarchy.workers if self.hierarchy is not None
-               else self._distribution_strategy.num_replicas_in_sync)
-    gathered = [i for i, plan in enumerate(self.plans) if not plan.summable]
-    if senders < 2 or not gathered or int(self.iterations.numpy()) <= self.start_step:
-      return None
-    # The dense average of Adam's moments at steps 1, 2, 4, ... is an all-reduce, not
-    # part of the all-gather: only the compressed payload counts. (Read twice over if a
-    # step ended in between: the thread of _watch_scaling reads during training.)
-    for _ in range(3):
-      step = int(self.iterations.numpy())
-      sent = self.bytes_sent.numpy() - np.asarray(self.moment_bytes() or 0, np.int64)
-      if int(self.iterations.numpy()) == step:
-        break
-    payload = int(sum(sent[i] for i in gathered))
-    if payload == 0:
-      return None
-    dense = sum(self.plans[i].dense_nbytes for i in gathered)
-    return scaling.check_allgather(senders, payload, dense, warn=warn)
+    return wrapper_stats.check_scaling(self, warn)
 
   def get_config(self):
     return {
@@ -1200,84 +567,8 @@ class CompressedOptimizer(keras.optimizers.Optimizer):
         ``outer_optimizer`` cannot be deserialized (an unknown class: a custom
         optimizer not registered or not in ``custom_objects``).
     """
-    def shown(value):  # configs hold whole optimizers: keep messages readable
-      text = repr(value)
-      return text if len(text) <= 400 else text[:400] + "..."
-
-    if not isinstance(config, dict):
-      raise TypeError("`config` must be a dict, as CompressedOptimizer.get_config() "
-                      f"returns. Received: config={shown(config)}")
-    if "inner_optimizer" not in config:
-      raise ValueError(
-          "CompressedOptimizer.from_config needs the key 'inner_optimizer' (the "
-          "serialized inner optimizer, as get_config() writes it). Received: "
-          f"config={shown(config)}")
-    config = dict(config)
-
-    def deserialize(key, value):
-      if isinstance(value, keras.optimizers.Optimizer):
-        return value  # already an optimizer: nothing to deserialize
-      try:
-        return keras.saving.deserialize_keras_object(value, custom_objects=custom_objects)
-      except (TypeError, ValueError) as error:
-        # Keras' message does not say which of the config's optimizers it was.
-        raise ValueError(
-            f"`{key}` in the config of CompressedOptimizer cannot be deserialized "
-            f"({error}). Received: {key}={shown(value)}") from error
-
-    inner = deserialize("inner_optimizer", config.pop("inner_optimizer"))
-    if isinstance(config.get("outer_optimizer"), dict):
-      config["outer_optimizer"] = deserialize("outer_optimizer", config["outer_optimizer"])
-    if "exchange" not in config and config.get("reduction", "sum") == "sum":
-      # Saved before `exchange` existed: adasum_mode did nothing with reduction="sum"
-      # (the gradient exchange ran), so keep that rather than refuse "delta" now.
-      config["adasum_mode"] = None
-      config["exchange"] = "gradients"
-    # Saved before `second_moment` existed: each replica kept its own.
-    config.setdefault("second_moment", "local")
-    # The saved machine's layout: where it does not fit, build() falls back (hierarchy.py).
-    config["devices_per_worker"] = hierarchy_lib.saved_devices_per_worker(
-        config.get("devices_per_worker"))
+    inner, config = wrapper_config.keras3_arguments(config, custom_objects)
     return cls(inner, **config)
-
-
-_SCALING_PAUSE_MAX_S = 30.0
-
-
-def _watch_scaling(optimizer) -> Optional[threading.Thread]:
-  """Starts a daemon thread that calls ``optimizer.check_scaling()`` once it can tell
-  (after the first compressed exchange), or None where it never could (one replica)."""
-  if optimizer._distribution_strategy.num_replicas_in_sync < 2:  # pylint: disable=protected-access
-    return None
-  reference = weakref.ref(optimizer)  # the thread must not keep the optimizer alive
-
-  def watch():
-    deadline = time.monotonic() + compile_log.GIVE_UP_S
-    pause = compile_log.POLL_S
-    while time.monotonic() < deadline:
-      watched = reference()
-      if watched is None:
-        return
-      try:
-        if watched.check_scaling() is not None:
-          return
-      except Exception:  # pylint: disable=broad-except
-        return  # the optimizer's variables are gone (its strategy ended)
-      del watched
-      time.sleep(pause)
-      # Longer and longer pauses: an optimizer built but not yet (or never) stepped
-      # costs a wake-up every 30 s at most, not every half second.
-      pause = min(2 * pause, _SCALING_PAUSE_MAX_S)
-
-  thread = threading.Thread(target=watch, daemon=True, name="tf_adacomp_scaling_check")
-  thread.start()
-  return thread
-
-
-def _assigned(variable, value):
-  """Assigns ``value`` to ``variable`` (this replica's copy) and returns ``value``."""
-  with tf.control_dependencies([variable.assign(value)]):
-    return tf.identity(value)
 
 
 def _variable_path(variable):
@@ -1286,189 +577,10 @@ def _variable_path(variable):
   return getattr(variable, "path", None) or variable.name
 
 
+def _variable_name(variable, suffix):
+  """The name of ``variable``'s state ``suffix`` ("residue", "anchor", ...)."""
+  return _variable_path(variable).replace("/", "_").replace(":", "_") + "_" + suffix
+
+
 def _no_all_reduce(grads_and_vars):
   return list(grads_and_vars)
-
-
-def _own_gradient(grad, replicas):
-  """A replica's own mean gradient from what Keras hands ``apply`` (its loss divided by
-  the replica count): ``grad * replicas``, an ``IndexedSlices`` kept as one (its values
-  scaled), so that the inner optimizer steps on it as Keras would."""
-  if grad is None:
-    return None
-  if isinstance(grad, tf.IndexedSlices):
-    values = grad.values if replicas == 1 else grad.values * replicas
-    return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
-  return tf.convert_to_tensor(grad) * replicas
-
-
-def _slices_nbytes(grad: tf.IndexedSlices):
-  """The bytes of one replica's ``IndexedSlices`` on the wire: its values and indices."""
-  return (tf.cast(tf.size(grad.values), tf.int64) * grad.values.dtype.size
-          + tf.cast(tf.size(grad.indices), tf.int64) * grad.indices.dtype.size)
-
-
-def _resolve_exchange(reduction, adasum_mode, exchange):
-  """The exchange that ``exchange`` and the older ``adasum_mode`` ask for, or ValueError."""
-  if adasum_mode is not None and adasum_mode not in ADASUM_MODES:
-    raise ValueError(f"`adasum_mode` must be one of {ADASUM_MODES} or None. "
-                     f"Received: adasum_mode={adasum_mode!r}")
-  if exchange is not None and exchange not in EXCHANGES:
-    raise ValueError(f"`exchange` must be one of {EXCHANGES} or None. "
-                     f"Received: exchange={exchange!r}")
-  if adasum_mode == "delta" and reduction != "adasum":
-    raise ValueError("`adasum_mode='delta'` is Adasum of the replicas' updates and needs "
-                     "reduction='adasum' (for the mean of the updates, pass "
-                     "exchange='updates'). Received: adasum_mode='delta', "
-                     f"reduction={reduction!r}")
-  implied = _EXCHANGE_OF_ADASUM_MODE.get(adasum_mode)
-  if implied is not None and exchange is not None and exchange != implied:
-    raise ValueError(f"`adasum_mode={adasum_mode!r}` means exchange={implied!r}, which "
-                     f"contradicts `exchange`. Received: adasum_mode={adasum_mode!r}, "
-                     f"exchange={exchange!r}")
-  return exchange or implied or DEFAULT_EXCHANGE[reduction]
-
-
-def _resolve_second_moment(second_moment, exchange, reduction, inner_optimizer,
-                           momentum_masking, local_steps=1):
-  """The second moment ``second_moment`` asks for (None: ``default_second_moment``), or
-  ValueError where it cannot apply."""
-  if second_moment is None:
-    return default_second_moment(inner_optimizer, exchange, reduction, momentum_masking,
-                                 local_steps)
-  if second_moment not in shared_moment.SECOND_MOMENTS:
-    raise ValueError(f"`second_moment` must be one of {shared_moment.SECOND_MOMENTS} or "
-                     f"None. Received: second_moment={second_moment!r}")
-  if second_moment == "local":
-    return second_moment
-  if exchange != "updates" or reduction != "sum":
-    raise ValueError(f"`second_moment={second_moment!r}` shares Adam's second moment in the "
-                     "update exchange and needs exchange='updates' and reduction='sum'. "
-                     f"Received: exchange={exchange!r}, reduction={reduction!r}")
-  if momentum_masking:
-    raise ValueError(f"`second_moment={second_moment!r}` does not take "
-                     "momentum_masking=True. Received: momentum_masking=True")
-  if local_steps > 1:
-    raise ValueError(f"`second_moment={second_moment!r}` shares Adam's second moment at "
-                     "every step; with local steps each replica keeps its own (DiLoCo's "
-                     "inner AdamW): pass second_moment='local' or None. Received: "
-                     f"second_moment={second_moment!r}, local_steps={local_steps!r}")
-  shared_moment.check_inner(inner_optimizer, second_moment)
-  return second_moment
-
-
-def default_second_moment(inner_optimizer, exchange="updates", reduction="sum",
-                          momentum_masking=False, local_steps=1):
-  """What ``second_moment=None`` means for this inner optimizer and exchange.
-
-  ``DEFAULT_SECOND_MOMENT`` ("global") for an Adam or AdamW (without amsgrad,
-  clipping, EMA, gradient accumulation or a loss scale factor set on it) under the mean
-  update exchange: of the three it came closest to Keras' Adam on the character LSTM
-  and the transformer (docs/convergence.md). "local" otherwise: other optimizers keep
-  their own state, and their second moment, if any, stays each replica's.
-
-  Args:
-    inner_optimizer: the optimizer ``CompressedOptimizer`` wraps.
-    exchange: "updates" or "gradients".
-    reduction: "sum" or "adasum".
-    momentum_masking: whether DGC's momentum masking is on.
-    local_steps: steps per round; with more than 1 each replica keeps its own.
-
-  Returns:
-    "global" or "local".
-  """
-  if exchange != "updates" or reduction != "sum" or momentum_masking or local_steps > 1:
-    return "local"
-  try:
-    shared_moment.check_inner(inner_optimizer)
-  except ValueError:
-    return "local"
-  return DEFAULT_SECOND_MOMENT
-
-
-def _check_second_moment_interval(interval, second_moment):
-  if interval is None:
-    return None
-  interval = checks.positive_int(interval, "second_moment_interval")
-  if second_moment == "local":
-    raise ValueError("`second_moment_interval` is the longest interval between averages "
-                     "of the shared second moment and needs second_moment='shared' or "
-                     "'global'. "
-                     f"Received: second_moment_interval={interval!r}, "
-                     f"second_moment={second_moment!r}")
-  return interval
-
-
-PRECONDITIONS = ("before", "after")
-
-
-def _check_precondition(precondition, second_moment):
-  if precondition not in PRECONDITIONS:
-    raise ValueError(f"`precondition` must be one of {PRECONDITIONS}. "
-                     f"Received: precondition={precondition!r}")
-  if precondition == "after" and second_moment == "local":
-    raise ValueError("`precondition='after'` divides the exchanged steps by the shared "
-                     "second moment and needs second_moment='shared' or 'global'. "
-                     f"Received: precondition='after', second_moment={second_moment!r}")
-  return precondition
-
-
-def _check_rounds(local_steps, outer_optimizer, exchange, reduction, momentum_masking):
-  """Raises ValueError where ``local_steps`` or ``outer_optimizer`` cannot apply."""
-  if local_steps == 1 and isinstance(outer_optimizer, str):
-    return  # the update exchange as it is (or the gradient exchange)
-  received = f"local_steps={local_steps!r}, outer_optimizer={outer_optimizer!r}"
-  if exchange != "updates" or reduction != "sum":
-    raise ValueError("`local_steps` > 1 and `outer_optimizer` exchange the replicas' "
-                     "pseudo-updates and need exchange='updates' and reduction='sum'. "
-                     f"Received: {received}, exchange={exchange!r}, reduction={reduction!r}")
-  if momentum_masking and local_steps > 1:
-    raise ValueError("`momentum_masking=True` masks every step's momentum and does not "
-                     f"take local_steps > 1. Received: {received}, momentum_masking=True")
-
-
-def _check_local_clipnorm(local_clipnorm):
-  return checks.positive_number(local_clipnorm, "local_clipnorm", optional=True)
-
-
-def _check_momentum_masking(momentum_masking, exchange, inner_optimizer, compressor):
-  """Raises ValueError unless ``momentum_masking`` is a bool that can apply here."""
-  if not checks.boolean(momentum_masking, "momentum_masking"):
-    return
-  if exchange != "updates":
-    raise ValueError("`momentum_masking=True` masks the local momentum of the update "
-                     "exchange and needs exchange='updates'. Received: "
-                     f"momentum_masking=True, exchange={exchange!r}")
-  if not _has_first_moment(inner_optimizer):
-    raise ValueError("`momentum_masking=True` needs an inner optimizer with a momentum or "
-                     "first moment: SGD with momentum > 0, Adam or AdamW. Received: "
-                     f"momentum_masking=True, inner_optimizer={inner_optimizer!r}")
-  probe = compressor.plan([max(compressor.min_size, 4096)], "float32")
-  if base.residue_position(compressor.state_specs(probe), probe.shape) is None:
-    raise ValueError("`momentum_masking=True` needs a compressor with a residue (error "
-                     "feedback): with this one every element is sent every step. "
-                     f"Received: momentum_masking=True, compressor={compressor!r}")
-
-
-def _has_first_moment(optimizer):
-  if isinstance(optimizer, keras.optimizers.SGD):
-    return float(optimizer.momentum) > 0
-  return isinstance(optimizer, keras.optimizers.Adam)  # AdamW is an Adam
-
-
-def _first_moment_slots(optimizer):
-  """The momentum (SGD) or first-moment (Adam, AdamW) variables of a built optimizer,
-  in its variable order (``optimizer._get_variable_index``).
-
-  The one place that reads Keras internals for momentum masking: Keras 3 has no public
-  accessor. SGD keeps them in ``momentums`` (an undocumented attribute), Adam and AdamW
-  in the private ``_momentums`` (keras/src/optimizers/sgd.py and adam.py, Keras 3.15).
-  tests/test_optimizer_updates.py::test_keras_momentum_slots_are_where_masking_reads_them
-  fails if either moves.
-  """
-  attribute = "momentums" if isinstance(optimizer, keras.optimizers.SGD) else "_momentums"
-  slots = getattr(optimizer, attribute, None)
-  if not slots:
-    raise RuntimeError(f"{type(optimizer).__name__} has no `{attribute}` variables in Keras "
-                       f"{keras.__version__}: momentum masking needs updating for it.")
-  return slots

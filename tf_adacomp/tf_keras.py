@@ -78,10 +78,14 @@ from tf_adacomp import hierarchy as hierarchy_lib
 from tf_adacomp import optimizer as optimizer_lib
 from tf_adacomp import replica_state
 from tf_adacomp import replica_steps
-from tf_adacomp import stats
+from tf_adacomp import wrapper_config
+from tf_adacomp import wrapper_stats
 from tf_adacomp.compressors import registry
 from tf_adacomp.ops import checks
-from tf_adacomp.ops import fused
+from tf_adacomp.steps import gradients as gradients_step
+from tf_adacomp.steps import guard as guard_lib
+from tf_adacomp.steps import inner as inner_lib
+from tf_adacomp.steps import updates as updates_step
 
 # The optimizers this wrapper takes: tf_keras' own (TF 2.11+) and its legacy ones
 # (OptimizerV2, which Horovod's DistributedOptimizer required).
@@ -90,7 +94,7 @@ EXCHANGES = ("gradients", "updates")
 
 
 @tf_keras.saving.register_keras_serializable(package="tf_adacomp")
-class CompressedOptimizer(tf_keras.optimizers.Optimizer):
+class CompressedOptimizer(wrapper_stats.ByteCounts, tf_keras.optimizers.Optimizer):
   """Wraps a tf_keras optimizer so that the replicas exchange compressed updates or
   gradients (see the module docstring).
 
@@ -220,6 +224,12 @@ class CompressedOptimizer(tf_keras.optimizers.Optimizer):
       # Made now rather than at the inner optimizer's first step, so that a file's list
       # of variables (`.h5`, `.keras`) and a loaded wrapper's, built by the loader, agree.
       _build_inner(self.inner_optimizer, var_list)
+    guard = guard_lib.Guard(self._exchange, self.hierarchy, self.plans, self.residues,
+                            self.bytes_sent, strategy)
+    inner = inner_lib.TfKerasInner(self.inner_optimizer, self.local_clipnorm)
+    self._step = self._no_dependency(
+        updates_step.UpdateExchange(guard, inner) if self.exchange == "updates"
+        else gradients_step.GradientExchange(guard, inner, self.local_clipnorm))
     self._built = True
     pending, self._pending_state = self._pending_state, None
     if pending is not None:
@@ -292,78 +302,9 @@ class CompressedOptimizer(tf_keras.optimizers.Optimizer):
       raise ValueError(f"CompressedOptimizer was built for other variables (its residues "
                        f"are theirs): make a new optimizer for these. Received variables "
                        f"it does not know: {unknown}")
-    indices = [self._index[_key(v)] for v in variables]
-    plans = [self.plans[i] for i in indices]
-    states = [tuple(tf.convert_to_tensor(r) for r in self.residues[i]) for i in indices]
-    dense = self.iterations < self.start_step if self.start_step else None
-    replicas = tf.distribute.get_replica_context().num_replicas_in_sync
-    if self.exchange == "updates":
-      self._apply_updates(grads, variables, indices, plans, states, dense)
-      return self.iterations
-    if self.local_clipnorm is not None:
-      # Each replica's own mean gradient is grads * replicas: clip it to local_clipnorm.
-      grads = replica_steps.clip_by_global_norm(grads, self.local_clipnorm / replicas)
-    exchanged = self._exchange.replica_exchange(plans, grads, states, dense, self.hierarchy)
-    # tf_keras divides each replica's loss by the replica count: the sum of the gradients
-    # is the mean gradient (with Adasum, the Adasum of the replicas' own mean gradients).
-    sums = [self._exchange.reduction.to_sum(s, replicas) for s in exchanged.sums]
-    finite = fused.all_finite(sums)
-    self._keep_states(indices, states, exchanged.states, finite)
-    self._record_bytes(indices, exchanged.nbytes)
-
-    def apply(summed):
-      # The sum is every replica's total already: no dense all-reduce of its own.
-      self.inner_optimizer.apply_gradients(list(zip(summed, variables)),
-                                           experimental_aggregate_gradients=False)
-      return tf.constant(True)
-
-    replica_steps.on_every_replica_if(finite, apply, sums)
+    self._step(grads, variables, [self._index[_key(v)] for v in variables],
+               self.iterations < self.start_step if self.start_step else None)
     return self.iterations
-
-  def _apply_updates(self, grads, variables, indices, plans, states, dense):
-    """The update exchange: each replica steps the inner optimizer on its own mean
-    gradient with its own slots, and every replica sets its weights to the weights
-    before plus the mean (or Adasum) of the replicas' compressed updates."""
-    ctx = tf.distribute.get_replica_context()
-    replicas = ctx.num_replicas_in_sync
-    # tf_keras divides each replica's loss by the replica count.
-    own = [tf.convert_to_tensor(g) * replicas for g in grads]
-    if self.local_clipnorm is not None:
-      own = replica_steps.clip_by_global_norm(own, self.local_clipnorm)
-    # Every replica must take the same branch: step only if all gradients are finite.
-    bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                         tf.cast(tf.logical_not(fused.all_finite(own)), tf.float32))
-    stepped = tf.equal(bad, 0.0)
-    before = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
-
-    def step(local):
-      self.inner_optimizer.apply_gradients(list(zip(local, variables)),
-                                           experimental_aggregate_gradients=False)
-      return tf.constant(True)
-
-    with tf.control_dependencies(before):
-      replica_steps.on_every_replica_if(stepped, step, own)
-    # Automatic control dependencies order these reads after the local step.
-    deltas = [tf.convert_to_tensor(v) - b for v, b in zip(variables, before)]
-    exchanged = self._exchange.replica_exchange(plans, deltas, states, dense, self.hierarchy)
-    combined = [self._exchange.reduction.to_mean(s, replicas) for s in exchanged.sums]
-    finite = tf.logical_and(stepped, fused.all_finite(combined))
-    self._keep_states(indices, states, exchanged.states, finite)
-    self._record_bytes(indices, exchanged.nbytes)
-    replica_steps.assign_per_replica(
-        self._distribution_strategy, variables,
-        [fused.add_if(finite, b, c) for b, c in zip(before, combined)])
-
-  def _keep_states(self, indices, old_states, new_states, finite):
-    """Stores the compressor states of a finite step; keeps the old ones otherwise."""
-    for i, old, new in zip(indices, old_states, new_states):
-      for variable, old_value, new_value in zip(self.residues[i], old, new):
-        variable.assign(tf.where(finite, new_value, old_value))
-
-  def _record_bytes(self, indices, nbytes):
-    self.bytes_sent.assign(tf.tensor_scatter_nd_update(
-        tf.zeros([len(self.plans)], tf.int64), [[i] for i in indices],
-        [tf.cast(b, tf.int64) for b in nbytes]))
 
   # --- Forwarded to the inner optimizer -------------------------------------------
 
@@ -487,15 +428,8 @@ class CompressedOptimizer(tf_keras.optimizers.Optimizer):
 
   # --- Statistics and serialization -----------------------------------------------
 
-  def variable_bytes(self):
-    """``[(plan, bytes one replica sent for that variable in the last step)]``."""
-    if not self._built:
-      return []
-    return list(zip(self.plans, (int(b) for b in self.bytes_sent.numpy())))
-
-  def compression_stats(self):
-    """Bytes of the last step per variable kind and in total (``tf_adacomp.stats``)."""
-    return stats.summarize(self.variable_bytes()) if self._built else {}
+  def _is_built(self):
+    return self._built
 
   def get_config(self):
     return {
@@ -525,13 +459,7 @@ class CompressedOptimizer(tf_keras.optimizers.Optimizer):
       TypeError: ``config`` is not a dict.
       ValueError: ``config`` has no ``inner_optimizer``, or it cannot be deserialized.
     """
-    if not isinstance(config, dict):
-      raise TypeError("`config` must be a dict, as CompressedOptimizer.get_config() "
-                      f"returns. Received: config={config!r:.400}")
-    if "inner_optimizer" not in config:
-      raise ValueError("CompressedOptimizer.from_config needs the key 'inner_optimizer'. "
-                       f"Received: config={config!r:.400}")
-    config = dict(config)
+    config = wrapper_config.checked(config)
     inner = config.pop("inner_optimizer")
     if not isinstance(inner, INNER_OPTIMIZERS):
       legacy = "legacy" in str(inner.get("module", "")) if isinstance(inner, dict) else False
@@ -541,10 +469,7 @@ class CompressedOptimizer(tf_keras.optimizers.Optimizer):
       except (TypeError, ValueError) as error:
         raise ValueError(f"`inner_optimizer` in the config of CompressedOptimizer cannot "
                          f"be deserialized ({error}). Received: "
-                         f"inner_optimizer={inner!r:.400}") from error
-    # The saved machine's layout: where it does not fit, build() falls back (hierarchy.py).
-    config["devices_per_worker"] = hierarchy_lib.saved_devices_per_worker(
-        config.get("devices_per_worker"))
+                         f"inner_optimizer={wrapper_config.shown(inner)}") from error
     return cls(inner, **config)
 
 

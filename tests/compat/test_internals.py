@@ -303,10 +303,10 @@ def test_all_reduce_sum_gradients_is_the_only_all_reduce_of_apply(make):
 ], ids=["SGD", "Adam", "AdamW"])
 def test_first_moment_slots_hold_the_first_moment_in_variable_order(make, attribute,
                                                                      first_moment):
-  """Momentum masking (optimizer._first_moment_slots) zeroes these slots where a value
+  """Momentum masking (steps.momentum_masking.first_moment_slots) zeroes these slots where a value
   was sent: after one step from zeros they hold SGD's velocity (-lr * g) or Adam's
   first moment ((1 - beta_1) * g), in the order of ``_get_variable_index``."""
-  name, user = f"`{attribute}`", "optimizer._first_moment_slots (momentum masking)"
+  name, user = f"`{attribute}`", "steps.momentum_masking.first_moment_slots (momentum masking)"
   optimizer, variables = _built(make(), [3], [2])
   grads = [tf.constant([1.0, -2.0, 4.0]), tf.constant([0.5, 8.0])]
   optimizer.apply(grads, variables)

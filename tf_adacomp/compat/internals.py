@@ -65,13 +65,14 @@ Names used in place
 Modules whose whole purpose is to extend a framework class keep its private names where
 they are used; their canaries are in ``tests/compat/test_internals.py`` too:
 
-- ``optimizer.py``:
-  - ``ALL_REDUCE_HOOK = "_all_reduce_sum_gradients"``: the method of Keras' TensorFlow
-    optimizers (``keras/src/backend/tensorflow/optimizer.py``) that all-reduces the
-    gradients in ``apply``; replaced on the inner optimizer by ``CompressedOptimizer``
-    and, through the same constant, by ``resist.trainer.ResIST``.
-  - ``_first_moment_slots(optimizer)``: SGD's ``momentums`` (undocumented) and Adam's /
-    AdamW's private ``_momentums`` (``keras/src/optimizers/sgd.py``, ``adam.py``).
+- ``optimizer.py`` and ``steps/``:
+  - ``steps.arguments.ALL_REDUCE_HOOK = "_all_reduce_sum_gradients"``: the method of
+    Keras' TensorFlow optimizers (``keras/src/backend/tensorflow/optimizer.py``) that
+    all-reduces the gradients in ``apply``; replaced on the inner optimizer by
+    ``CompressedOptimizer`` and, through the same constant, by ``resist.trainer.ResIST``.
+  - ``steps.momentum_masking.first_moment_slots(optimizer)``: SGD's ``momentums``
+    (undocumented) and Adam's / AdamW's private ``_momentums``
+    (``keras/src/optimizers/sgd.py``, ``adam.py``).
   - ``Optimizer._get_variable_index`` (on the inner optimizer and on itself),
     ``_distribution_strategy``, ``_track_variable``, ``_variables`` and
     ``_trainable_variables`` of ``keras.optimizers.Optimizer``

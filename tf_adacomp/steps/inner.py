@@ -1,0 +1,79 @@
+"""How an exchange mode reaches the inner optimizer: one adapter per wrapper.
+
+A mode (``steps.gradients``, ``steps.updates``, ...) needs four things of the inner
+optimizer, and the two wrappers differ only there:
+
+- ``optimizer``: the inner optimizer itself (its ``iterations``, slots, settings);
+- ``step(grads, variables)``: its step on gradients summed already (its own all-reduce
+  is switched off by the wrapper);
+- ``own_step(grads, variables)``: its step on this replica's own gradient, clipped to
+  ``local_clipnorm`` first;
+- ``own_gradient(grad, replicas)``: this replica's own mean gradient from what Keras
+  hands the wrapper (its loss divided by the replica count);
+- ``keeps_slices``: whether it steps on an Embedding's ``IndexedSlices`` as they are.
+"""
+
+import tensorflow as tf
+
+from tf_adacomp import ema
+from tf_adacomp import replica_steps
+
+
+class KerasInner:
+  """A Keras 3 inner optimizer (``tf_adacomp.optimizer``).
+
+  Args:
+    optimizer: the built inner ``keras.optimizers.Optimizer``.
+    local_clipnorm: None or the float each replica's own gradient is clipped to.
+  """
+
+  keeps_slices = True
+
+  def __init__(self, optimizer, local_clipnorm=None):
+    self.optimizer = optimizer
+    self.local_clipnorm = local_clipnorm
+
+  def step(self, grads, variables):
+    """Its step on ``grads``: summed (or Adasum-combined) over the replicas, or this
+    replica's own (each replica steps its own copy). Returns True (a cond branch)."""
+    with ema.deferred():  # its EMA follows the exchange (wrapper's apply)
+      self.optimizer.apply(grads, variables)
+    return tf.constant(True)
+
+  def own_step(self, grads, variables):
+    """Its step on this replica's own gradient, clipped to ``local_clipnorm`` first. The
+    clip is traced beside the step, as Keras' ``global_clipnorm`` clips in ``apply``:
+    TensorFlow's graph optimizer (its arithmetic optimizer reorders a chain of scalings
+    such as the clip's and SGD's learning rate) then rewrites both alike, and one
+    replica is the inner optimizer with ``global_clipnorm`` bit for bit."""
+    if self.local_clipnorm is not None:
+      grads = replica_steps.clip_by_global_norm(grads, self.local_clipnorm)
+    return self.step(grads, variables)
+
+  @staticmethod
+  def own_gradient(grad, replicas):
+    """``grad * replicas``; an ``IndexedSlices`` kept as one (its values scaled), so that
+    the inner optimizer steps on it as Keras would."""
+    if grad is None:
+      return None
+    if isinstance(grad, tf.IndexedSlices):
+      values = grad.values if replicas == 1 else grad.values * replicas
+      return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
+    return tf.convert_to_tensor(grad) * replicas
+
+
+class TfKerasInner(KerasInner):
+  """A tf_keras inner optimizer (``tf_adacomp.tf_keras``): its ``apply_gradients``
+  without aggregation, and an Embedding's slices made dense (Horovod's
+  ``sparse_as_dense=True``, always)."""
+
+  keeps_slices = False
+
+  def step(self, grads, variables):
+    self.optimizer.apply_gradients(list(zip(grads, variables)),
+                                   experimental_aggregate_gradients=False)
+    return tf.constant(True)
+
+  @staticmethod
+  def own_gradient(grad, replicas):
+    return None if grad is None else tf.convert_to_tensor(grad) * replicas
