@@ -77,6 +77,7 @@ from tf_adacomp import compile_log
 from tf_adacomp import exchange as exchange_lib
 from tf_adacomp import hierarchy as hierarchy_lib
 from tf_adacomp import log
+from tf_adacomp import replica_state
 from tf_adacomp import stats
 from tf_adacomp.compat import internals
 from tf_adacomp.compressors import registry
@@ -340,17 +341,7 @@ class _DeviceStates(tf.__internal__.tracking.Trackable, collections.abc.Sequence
     devices = len(self._per_device)
     updates = []
     for s in range(len(self._per_device[0])):
-      saved = restored_tensors[f"state_{s}"]
-      saved_devices = saved.shape[0]
-      if saved_devices == devices:
-        values = [saved[d] for d in range(devices)]
-      elif saved.dtype.is_floating:
-        total = saved[0]
-        for d in range(1, saved_devices):  # device order, as the exchange sums
-          total += saved[d]
-        values = [total / devices] * devices
-      else:
-        values = [saved[0]] * devices
+      values = replica_state.spread(restored_tensors[f"state_{s}"], devices)
       for states, value in zip(self._per_device, values):
         with tf.device(states[s].device):
           updates.append(states[s].assign(value))

@@ -167,6 +167,30 @@ def assign_copies(variable, saved):
   return True
 
 
+def spread(saved, count: int) -> List[tf.Tensor]:
+  """This module's rule for stacked saved copies restored onto ``count`` holders
+  (``CompressedAllReduce`` keeps its per-device residues this way): as many as saved,
+  each its own copy; another count, a floating state's saved total (summed in saved
+  order, as the exchange sums) split evenly, an integer state's first copy to every one.
+
+  Args:
+    saved: ``[saved holders, *shape]``.
+    count: how many holders there are now.
+
+  Returns:
+    ``count`` tensors of ``shape``.
+  """
+  saved_count = saved.shape[0]
+  if saved_count == count:
+    return [saved[d] for d in range(count)]
+  if not saved.dtype.is_floating:
+    return [saved[0]] * count
+  total = saved[0]
+  for d in range(1, saved_count):
+    total += saved[d]
+  return [total / count] * count
+
+
 class _CheckpointCopies(tf.__internal__.tracking.Trackable):
   """A variable's copies in a ``tf.train.Checkpoint``: one tensor ``copies``.
 
