@@ -19,6 +19,7 @@ import tensorflow as tf
 import digits_data
 import tf_adacomp
 from tf_adacomp import optimizer as optimizer_module
+from tf_adacomp.steps import arguments as arguments_module
 
 DEVICES = ["/cpu:0", "/cpu:1"]
 DEVICES_4 = [f"/cpu:{i}" for i in range(4)]
@@ -321,7 +322,7 @@ def test_base_argument_defaults_are_keras_own():
   base = next(c for c in type(_sgd()).__mro__
               if "clipnorm" in inspect.signature(c.__init__).parameters)
   parameters = inspect.signature(base.__init__).parameters
-  for argument, default in optimizer_module._BASE_DEFAULTS.items():  # pylint: disable=protected-access
+  for argument, default in arguments_module.BASE_DEFAULTS.items():  # pylint: disable=protected-access
     assert argument in parameters, f"Keras' optimizer no longer takes {argument}"
     assert parameters[argument].default == default, argument
 

@@ -106,3 +106,24 @@ def update_after_exchange(optimizer, stepped, assign_per_replica) -> None:
     assign_per_replica([v for v, _ in pairs], [
         tf.where(overwrite, tf.convert_to_tensor(a), tf.convert_to_tensor(v))
         for v, a in pairs])
+
+
+class AfterExchange:
+  """A wrapper's step (``tf_adacomp.steps``) followed by the inner optimizer's EMA
+  update on the exchanged weights (``update_after_exchange``), where the step was taken
+  (``iterations`` moved on). The inner optimizer must have been ``defer``-ed.
+
+  Args:
+    step: the step; its ``inner.optimizer`` has ``use_ema=True``.
+  """
+
+  def __init__(self, step):
+    self.step = step
+    self.guard = step.guard
+
+  def __call__(self, grads, variables, indices, dense):
+    optimizer = self.step.inner.optimizer
+    before = tf.convert_to_tensor(optimizer.iterations)
+    self.step(grads, variables, indices, dense)
+    update_after_exchange(optimizer, tf.not_equal(optimizer.iterations, before),
+                          self.guard.assign_per_replica)

@@ -19,8 +19,6 @@ strategy (compression applied locally, to study its effect on accuracy), under
 ``MirroredStrategy`` and under ``MultiWorkerMirroredStrategy``.
 """
 
-from typing import Optional
-
 import keras
 import numpy as np
 import tensorflow as tf
@@ -32,7 +30,6 @@ from tf_adacomp import exchange as exchange_lib
 from tf_adacomp import hierarchy as hierarchy_lib
 from tf_adacomp import local_steps as local_steps_lib
 from tf_adacomp import replica_state
-from tf_adacomp import replica_steps
 from tf_adacomp import wrapper_config
 from tf_adacomp import wrapper_stats
 from tf_adacomp.compat import keras_multi_worker
@@ -45,56 +42,21 @@ from tf_adacomp.steps import inner as inner_lib
 from tf_adacomp.steps import local_rounds
 from tf_adacomp.steps import shared_adam
 from tf_adacomp.steps import updates as updates_step
+from tf_adacomp.steps import variables as variables_lib
 # Public names of this module (examples and users read them here).
 from tf_adacomp.steps.arguments import ADASUM_MODES, ALL_REDUCE_HOOK, DEFAULT_EXCHANGE, EXCHANGES  # noqa: F401  pylint: disable=unused-import
 from tf_adacomp.steps.shared_adam import DEFAULT_SECOND_MOMENT, PRECONDITIONS, default_second_moment  # noqa: F401  pylint: disable=unused-import
 
-_BASE_DEFAULTS = arguments.BASE_DEFAULTS
-
-
-class _InnerSetting:
-  """A data descriptor: the base optimizer setting of this name is the inner optimizer's.
-
-  Keras' base class writes and reads these on the wrapper too: its ``__init__`` writes the
-  defaults before there is an inner optimizer (ignored: the wrapper refused any other
-  value), and its ``build`` reads ``gradient_accumulation_steps`` to create accumulators,
-  which only the inner optimizer needs; while ``_reading_own_settings`` is set the
-  wrapper's own default is read instead.
-  """
-
-  def __set_name__(self, owner, name):
-    self.name = name  # pylint: disable=attribute-defined-outside-init
-
-  def __get__(self, wrapper, owner=None):
-    if wrapper is None:
-      return self
-    inner = wrapper.__dict__.get("inner_optimizer")
-    if inner is None or wrapper.__dict__.get("_reading_own_settings"):
-      return _BASE_DEFAULTS[self.name]
-    return getattr(inner, self.name)
-
-  def __set__(self, wrapper, value):
-    inner = wrapper.__dict__.get("inner_optimizer")
-    if inner is not None:
-      setattr(inner, self.name, value)
-
-
 @keras.saving.register_keras_serializable(package="tf_adacomp")
-class CompressedOptimizer(wrapper_stats.ByteCounts, keras.optimizers.Optimizer):
+class CompressedOptimizer(wrapper_stats.Reports, keras.optimizers.Optimizer):
   """Wraps a Keras optimizer so that gradients (or its updates) are exchanged compressed.
 
-  Mixed precision (``mixed_float16``): wrap ``LossScaleOptimizer(CompressedOptimizer(
-  inner))``, as ``model.compile`` does under that policy (the other order is refused,
-  below). Keras' ``LossScaleOptimizer`` checks only each replica's own gradients, and in
-  Keras 3 they are not all-reduced before ``apply``; creating a ``CompressedOptimizer``
-  therefore installs ``tf_adacomp.compat.loss_scale.apply_loss_scale_fix``: a loss scale
-  optimizer around this wrapper all-reduces its "not finite" flag, so that an overflow
-  on any one replica lowers the loss scale on every replica and skips the step
-  everywhere (weights, residues, the inner optimizer's slots and ``iterations``
-  unchanged, as Keras does for one replica). Loss scale optimizers around other
-  optimizers keep Keras' behaviour. (A step finite on every replica whose combined sum
-  or update is not, a float32 overflow of the sum, is left to this wrapper as described
-  in the module docstring, and does not lower the scale.)
+  Mixed precision (``mixed_float16``): ``LossScaleOptimizer(CompressedOptimizer(inner))``,
+  as ``model.compile`` makes it (the other order is refused). Creating a
+  ``CompressedOptimizer`` installs ``compat.loss_scale.apply_loss_scale_fix``: an
+  overflow on any one replica lowers the loss scale and skips the step on every replica
+  (Keras 3 checks each replica's own gradients only); loss scale optimizers around other
+  optimizers keep Keras' behaviour.
 
   Args:
     inner_optimizer: the ``keras.optimizers.Optimizer`` that applies the gradients (its
@@ -112,79 +74,49 @@ class CompressedOptimizer(wrapper_stats.ByteCounts, keras.optimizers.Optimizer):
     adasum_mode: the older name of ``exchange`` for ``reduction="adasum"``: "gradient"
       (``exchange="gradients"``) or "delta" (``exchange="updates"``; needs
       ``reduction="adasum"``). Default None: ``exchange`` decides.
-    exchange: "gradients" (compress the gradients, apply the inner optimizer to their
-      decoded sum) or "updates" (each replica steps the inner optimizer on its own
-      gradient with its own state, the weight updates are compressed with error feedback
-      and every replica applies their mean; see the module docstring). Default None:
+    exchange: "gradients" (``steps.gradients``: compress the gradients, apply the inner
+      optimizer to their decoded sum) or "updates" (``steps.updates``: each replica
+      steps the inner optimizer on its own gradient with its own state, and the weight
+      updates are compressed with error feedback and their mean applied). Default None:
       the one ``adasum_mode`` names, else ``DEFAULT_EXCHANGE[reduction]``: "updates"
-      with ``reduction="sum"``, "gradients" with ``"adasum"``. "updates" is the default
-      because it reached dense accuracy where the gradient exchange fell behind, with
-      SGD+momentum and with Adam (docs/convergence.md): each replica's optimizer state
-      sees its own dense gradient instead of sparse, delayed spikes. The payloads have
-      the same format either way; how many elements AdaComp sends depends on what it
-      compresses (an update usually sends more than a gradient).
+      with ``reduction="sum"`` (it reached dense accuracy where the gradient exchange
+      fell behind, with SGD+momentum and with Adam: docs/convergence.md), "gradients"
+      with ``"adasum"``.
     momentum_masking: bool, default False. With ``exchange="updates"``, DGC's momentum
-      factor masking: after each step, the inner optimizer's momentum (SGD with
-      ``momentum > 0``) or first moment (Adam, AdamW) is set to zero, on each replica,
-      wherever that replica's compressor sent an element of its update (its residue did
-      not simply absorb it), so that a delayed element does not keep being pushed by a
-      stale momentum. Tensors sent whole (dense plans, warm-up steps) are not masked.
-    local_clipnorm: None (default) or a float > 0: each replica's own mean gradient (the
-      gradient its local optimizer steps on with ``exchange="updates"``; its gradient
-      times the replica count) is clipped to this global norm over all variables before
-      it enters the residue or the local step, with Keras' arithmetic: scaled by ``c *
-      min(1 / norm, 1 / c)``, an Embedding's IndexedSlices counting its slices' squares
-      in the norm and coming out dense (its duplicate rows summed). One replica with
-      ``local_clipnorm=c`` is the inner optimizer with ``global_clipnorm=c``, bit for
-      bit. DGC clips each node's share of a
-      summed gradient at ``T / sqrt(N)``; for a threshold ``T`` meant for the averaged
-      gradient that is ``local_clipnorm = T * sqrt(N)`` here.
+      factor masking (``steps.momentum_masking``): each replica's momentum or first
+      moment is zeroed wherever its compressor sent an element of its update.
+    local_clipnorm: None (default) or a float > 0: each replica's own mean gradient (its
+      gradient times the replica count) is clipped to this global norm over all
+      variables before it enters the residue or the local step, with Keras' arithmetic
+      (``replica_steps.clip_by_global_norm``): one replica with ``local_clipnorm=c`` is
+      the inner optimizer with ``global_clipnorm=c``, bit for bit. DGC's threshold ``T``
+      for the averaged gradient is ``local_clipnorm = T * sqrt(N)`` here.
     second_moment: None (default), "local", "shared" or "global"; Adam's second moment
-      under the update exchange (``tf_adacomp.shared_moment`` has the algorithm).
-      "local": each replica divides its own first moment by its own second moment, and
-      the mean of those steps is not Adam's step on the mean gradient (Adam is not
-      linear in its gradient). "shared": every replica divides by the same second
-      moment, the replicas' mean, averaged (a dense bfloat16 all-reduce, counted in the
-      bytes) at steps 1, 2, 4, 8, ...; the step is then linear in the first moment, and
-      without compression every replica takes Adam's step on the mean gradient with that
-      second moment (1-bit Adam's and 0/1 Adam's observation). Between averages each
-      replica's step is clipped to Adam's own bound on a step (the shared moment is
-      then older than the replica's, and an element first seen since the last average
-      has none); at an average, and at every step with one replica, it is Adam's step
-      unclipped. "global": as "shared", with the second moment of the mean gradient
-      estimated from the replicas' own (a replica's smaller batch has R times its
-      noise); it also keeps a moving average of each replica's squared first moment. An
-      Embedding's sparse gradient adds its slices' squares, as Keras' Adam does (clipped
-      by ``local_clipnorm`` it is dense, as Keras' ``global_clipnorm`` makes it). The
-      wrapper computes Adam's step itself: the inner optimizer must be an Adam or AdamW
-      without ``amsgrad``, clipping (use ``local_clipnorm``), EMA, gradient accumulation
-      or loss scale factor. None means ``default_second_moment(inner_optimizer, ...)``:
-      ``DEFAULT_SECOND_MOMENT`` where it applies, "local" otherwise
-      (docs/convergence.md has the measurements). With one replica "shared" and
-      "global" are the plain inner optimizer.
-    precondition: "before" (default) or "after", with ``second_moment`` "shared" or
-      "global": where Adam's division by the shared second moment happens. "before":
-      each replica's Adam step is compressed (the residue holds steps). "after": each
-      replica's first moment times the step size is compressed, and the decoded mean is
-      divided by ``sqrt(v) + epsilon`` on arrival (the same on every replica, so the
-      result is the same without compression); the residue then holds momentum, whose
-      large elements AdaComp sends first, where Adam's normalised steps are flat.
-    second_moment_interval: None (default) or an int >= 1, with ``second_moment``
-      "shared" or "global": the longest number of steps between scheduled averages of
-      the second moment (steps 1, 2, 4, ... below it, then every
-      ``second_moment_interval`` steps). None lets the interval keep doubling.
+      under the update exchange (``steps.shared_adam`` has the details, and what the
+      inner optimizer must be: an Adam or AdamW without amsgrad, clipping, EMA, gradient
+      accumulation or loss scale factor). "local": each replica's own. "shared": every
+      replica divides by one second moment, the replicas' mean, averaged (dense
+      bfloat16, counted in the bytes) at steps 1, 2, 4, 8, ...: the mean of the steps is
+      then Adam's step on the mean gradient. "global": as "shared", with the second
+      moment of the mean gradient estimated from the replicas' own. None:
+      ``default_second_moment(inner_optimizer, ...)``: ``DEFAULT_SECOND_MOMENT`` where
+      it applies, "local" otherwise.
+    precondition: "before" (default) or "after", with a shared ``second_moment``: whether
+      each replica's Adam step is compressed ("before"), or its first moment times the
+      step size, divided by the shared moment on arrival ("after"; equal without
+      compression).
+    second_moment_interval: None (default) or an int >= 1, with a shared
+      ``second_moment``: the longest number of steps between averages of the second
+      moment (steps 1, 2, 4, ... below it). None lets the interval keep doubling.
     local_steps: int >= 1, default 1; with ``exchange="updates"``, the steps of a round
-      (``tf_adacomp.local_steps``). Each replica takes ``local_steps`` steps of the inner
-      optimizer on its own data from the round's anchor; at the round's last step the
-      pseudo-updates (local weights minus anchor) are compressed with error feedback,
-      exchanged and combined by ``outer_optimizer``, and every replica adopts the new
-      anchor. Only that step sends anything. Within a round the replicas' weights
-      differ. With more than 1, an Adam or AdamW keeps each replica's own moments.
+      (``steps.local_rounds``, ``tf_adacomp.local_steps``): each replica takes them on
+      its own data from the round's anchor, and only the round's last step exchanges its
+      pseudo-update (compressed, with error feedback). With more than 1, an Adam or AdamW
+      keeps each replica's own moments.
     outer_optimizer: None (default: ``local_steps.DEFAULT_OUTER``, "average"),
       "average" (the anchor moves by the mean pseudo-update) or a Keras optimizer that
-      steps the anchor on the pseudo-gradient, minus the mean pseudo-update (DiLoCo's:
+      steps the anchor on minus the mean pseudo-update (DiLoCo's:
       ``tf_adacomp.local_steps.diloco()``); its state is checkpointed with the wrapper's.
-      With ``local_steps=1`` and "average" the update exchange is as without rounds.
     hierarchical: None (default), True or False: whether the devices of one worker sum
       their gradients (or updates) densely first and send one compressed payload per
       worker over the network (``tf_adacomp.hierarchy``; docs/distributed.md). None:
@@ -204,34 +136,21 @@ class CompressedOptimizer(wrapper_stats.ByteCounts, keras.optimizers.Optimizer):
   Raises:
     TypeError: ``inner_optimizer`` is not a Keras optimizer; an unknown keyword argument
       (named with its value and the closest valid name: ``local_step=8`` -> "Did you
-      mean 'local_steps'?").
-    ValueError: unknown compressor, reduction, adasum_mode or exchange;
-      ``adasum_mode="delta"`` without ``reduction="adasum"``; an ``adasum_mode`` that
-      contradicts ``exchange``; ``momentum_masking`` not a bool, or True where it cannot
-      apply (gradient exchange, an inner optimizer without momentum, a compressor
-      without residue); ``local_clipnorm`` not a finite number > 0; ``start_step`` < 0;
-      ``second_moment`` not None or one of ``shared_moment.SECOND_MOMENTS``, or "shared"
-      or "global" where it cannot apply (another exchange or reduction, momentum
-      masking, an inner optimizer that is not an Adam or AdamW or has settings the
-      shared step would drop);
-      ``second_moment_interval`` not an int >= 1, or set with "local"; ``precondition``
-      not "before" or "after", or "after" with "local"; ``local_steps`` not an int
-      >= 1; ``outer_optimizer`` not None, "average" or a Keras optimizer (or one with
-      clipping, EMA or gradient accumulation, or a ``LossScaleOptimizer``);
-      ``local_steps`` > 1 or a Keras ``outer_optimizer`` with the gradient exchange,
-      Adasum, ``momentum_masking`` (``local_steps`` > 1) or a shared ``second_moment``;
-      ``hierarchical`` not None or a bool; ``devices_per_worker`` not None or an int
-      >= 1 (a TypeError if not an int), or one that does not divide the replicas or
-      differs from a multi-worker strategy's own (when built; not one restored from a
-      saved config);
-      a base optimizer argument other than its Keras default (set those on the inner
-      optimizer); an ``inner_optimizer`` that is a ``LossScaleOptimizer`` (wrap
+      mean 'local_steps'?"); ``devices_per_worker`` not an int.
+    ValueError: an argument out of its range or not one of its values (named with the
+      value received); a combination that cannot apply, naming both (each mode's module
+      in ``tf_adacomp.steps`` checks its own: ``adasum_mode="delta"`` without Adasum,
+      ``momentum_masking`` without a momentum or a residue, a shared ``second_moment``
+      with an inner optimizer that is not a plain Adam or AdamW, ``local_steps`` > 1
+      with the gradient exchange, Adasum, momentum masking, a shared moment or an inner
+      ``use_ema``, ...); ``devices_per_worker`` that does not fit the strategy (when
+      built); a base optimizer argument other than its Keras default (set those on the
+      inner optimizer); an ``inner_optimizer`` that is a ``LossScaleOptimizer`` (wrap
       ``LossScaleOptimizer(CompressedOptimizer(inner))`` instead).
     RuntimeError: the inner optimizer has no ``_all_reduce_sum_gradients`` (the Keras
       TensorFlow optimizers' all-reduce, which the wrapper switches off): a Keras
       release that renamed it, or another backend.
   """
-
 
   def __init__(self, inner_optimizer, compressor="adacomp", start_step=0, name=None,
                reduction="sum", adasum_mode=None, exchange=None, momentum_masking=False,
@@ -264,11 +183,11 @@ class CompressedOptimizer(wrapper_stats.ByteCounts, keras.optimizers.Optimizer):
 
   # Keras' base settings that the inner optimizer applies: read and set on the wrapper,
   # they are the inner optimizer's (tests/test_optimizer_dropin.py).
-  weight_decay = _InnerSetting()
-  clipnorm = _InnerSetting()
-  clipvalue = _InnerSetting()
-  global_clipnorm = _InnerSetting()
-  gradient_accumulation_steps = _InnerSetting()
+  weight_decay = inner_lib.InnerSetting()
+  clipnorm = inner_lib.InnerSetting()
+  clipvalue = inner_lib.InnerSetting()
+  global_clipnorm = inner_lib.InnerSetting()
+  gradient_accumulation_steps = inner_lib.InnerSetting()
 
   @property
   def adasum_mode(self):
@@ -281,8 +200,10 @@ class CompressedOptimizer(wrapper_stats.ByteCounts, keras.optimizers.Optimizer):
     keras_multi_worker.apply_keras_multi_worker_fix_for(self._distribution_strategy)
     self.hierarchy = hierarchy_lib.resolve(self._distribution_strategy, self.hierarchical,
                                            self.devices_per_worker)
-    self.plans = [self.compressor.plan(v.shape, v.dtype, _variable_path(v)) for v in var_list]
-    self.residues = [tuple(self._add_replica_variable(v, spec, _variable_name(v, "residue"))
+    self.plans = [self.compressor.plan(v.shape, v.dtype, variables_lib.variable_path(v))
+                  for v in var_list]
+    make = variables_lib.Maker(self)
+    self.residues = [tuple(make.one(v, spec, "residue")
                            for spec in self.compressor.state_specs(plan))
                      for v, plan in zip(var_list, self.plans)]
     self.bytes_sent = self.add_variable(shape=(len(var_list),), dtype="int64",
@@ -298,38 +219,18 @@ class CompressedOptimizer(wrapper_stats.ByteCounts, keras.optimizers.Optimizer):
     if self.second_moment in ("shared", "global"):
       # The second moment every replica divides by (equal on all; a checkpoint stores
       # it) and, for "global", each replica's moment of its squared first moment.
-      self.shared_velocities = self._add_moment_variables(var_list, "shared_velocity",
-                                                          aggregation="only_first_replica")
+      self.shared_velocities = make.like(var_list, "shared_velocity", "only_first_replica")
       # The step the shared moment was last computed at (0: never), for its bias
       # correction; the same on every replica.
       self.moment_synced_at = self.add_variable(
           shape=(), dtype="int64", aggregation="only_first_replica", name="moment_synced_at")
       if self.second_moment == "global":
-        self.momentum_squares = self._add_moment_variables(var_list, "momentum_square")
+        self.momentum_squares = make.like(var_list, "momentum_square")
     if self.local_steps > 1:
       # The weights every replica held when the round began (equal on all).
-      self.anchors = self._add_moment_variables(var_list, "anchor",
-                                                aggregation="only_first_replica")
-    if not isinstance(self.outer_optimizer, str):
-      # Its state is the same on every replica (it steps the anchor, which is), and it
-      # is handed pseudo-gradients that are means already: no all-reduce of its own.
-      self.outer_optimizer.build(var_list)
-      setattr(self.outer_optimizer, ALL_REDUCE_HOOK, _no_all_reduce)
-    if self.exchange == "updates":
-      # Each replica steps the inner optimizer with its own state, so its slots hold one
-      # value per replica (on-read, as the residues): a checkpoint stores their mean
-      # rather than replica 0's copy, and each replica's copy beside it (replica_state).
-      with tf.variable_creator_scope(replica_steps.one_value_per_replica):
-        self.inner_optimizer.build(var_list)
-    else:
-      self.inner_optimizer.build(var_list)
-    if self.inner_optimizer.use_ema:
-      # Its average follows the exchanged weights, not each replica's own (tf_adacomp.ema).
-      ema.defer(self.inner_optimizer)
-    # Keras' TensorFlow optimizers all-reduce gradients in `apply`. The wrapped one only
-    # ever receives gradients already summed over replicas, so that second, dense
-    # all-reduce is switched off (an instance attribute: replica threads share it).
-    setattr(self.inner_optimizer, ALL_REDUCE_HOOK, _no_all_reduce)
+      self.anchors = make.like(var_list, "anchor", "only_first_replica")
+    inner_lib.build(self.inner_optimizer, var_list, per_replica=self.exchange == "updates",
+                    outer_optimizer=self.outer_optimizer)
     self._reading_own_settings = True  # no accumulators here: the inner optimizer has them
     try:
       super().build(var_list)
@@ -353,52 +254,15 @@ class CompressedOptimizer(wrapper_stats.ByteCounts, keras.optimizers.Optimizer):
           self.local_clipnorm, self.shared_velocities, self.moment_synced_at,
           getattr(self, "momentum_squares", None))
     if self.exchange == "gradients":
-      return gradients_step.GradientExchange(guard, inner, self.local_clipnorm)
-    if self.local_steps > 1:
-      return local_rounds.LocalRounds(guard, inner, self.local_steps, self.anchors,
+      step = gradients_step.GradientExchange(guard, inner, self.local_clipnorm)
+    elif self.local_steps > 1:
+      step = local_rounds.LocalRounds(guard, inner, self.local_steps, self.anchors,
                                       self._trainable_variables, self.outer_optimizer)
-    return updates_step.UpdateExchange(guard, inner, self.momentum_masking,
-                                       self.outer_optimizer)
-
-  def _add_moment_variables(self, var_list, suffix, aggregation="mean"):
-    """One float variable per variable of ``var_list``, a value per replica, stored as
-    the replicas' mean (``_add_replica_variable``); with ``"only_first_replica"``, for a
-    value equal on every replica, as the first replica's (a mean of equal float32
-    copies is not always the value itself)."""
-    return [self._add_replica_variable(v, tf.TensorSpec(v.shape, v.dtype),
-                                       _variable_name(v, suffix), aggregation=aggregation)
-            for v in var_list]
-
-  def _add_replica_variable(self, reference, spec, name, aggregation=None):
-    """A variable with one value per replica (each replica's residue is its own).
-
-    ``on_read`` synchronization keeps a separate copy on every replica. A floating
-    state (a residue) has ``sum`` aggregation: a checkpoint stores the sum of the
-    replicas' residues (the total not yet sent) and a restore splits it evenly, so
-    nothing is lost across a restore, whatever the number of replicas then (onto as
-    many replicas, each gets its own back: ``tf_adacomp.replica_state``). An integer
-    state (the FFT compressor's step counter) is the same on every replica: a checkpoint
-    stores the first replica's and a restore gives it to every replica (summed, a restore
-    with fewer replicas would move the theta schedule forward;
-    tests/test_optimizer_restore.py). ``aggregation="mean"`` is for a value of each
-    replica's own whose mean is what counts (Adam's moment of m^2), and
-    ``"only_first_replica"`` for a float equal on every replica (an anchor, the shared
-    second moment).
-    """
-    # A plain tf.Variable (which Keras' optimizers accept too) is its own tf.Variable.
-    colocate_with = reference.value if isinstance(reference, keras.Variable) else reference
-    if aggregation is None:
-      aggregation = "sum" if spec.dtype.is_floating else "only_first_replica"
-    with self._distribution_strategy.extended.colocate_vars_with(colocate_with):
-      with keras.name_scope(self.name, caller=self):
-        variable = keras.Variable(initializer="zeros", shape=spec.shape, dtype=spec.dtype.name,
-                                  trainable=False, aggregation=aggregation,
-                                  synchronization="on_read", name=name)
-    self._track_variable(variable)
-    return variable
-
-  def _is_built(self):
-    return self.built
+    else:
+      step = updates_step.UpdateExchange(guard, inner, self.momentum_masking,
+                                         self.outer_optimizer)
+    # The inner optimizer's EMA, if any, follows the exchanged weights (tf_adacomp.ema).
+    return ema.AfterExchange(step) if self.inner_optimizer.use_ema else step
 
   @property
   def variables(self):
@@ -429,15 +293,7 @@ class CompressedOptimizer(wrapper_stats.ByteCounts, keras.optimizers.Optimizer):
     self._check_variables_are_known(trainable_variables)  # Keras' ValueError, before any change
     indices = [self._get_variable_index(v) for v in trainable_variables]
     dense = self.iterations < self.start_step if self.start_step else None
-    if not self.inner_optimizer.use_ema:
-      self._step(grads, trainable_variables, indices, dense)
-      return
-    before = tf.convert_to_tensor(self.iterations)
     self._step(grads, trainable_variables, indices, dense)
-    # The inner optimizer's EMA of the exchanged weights (tf_adacomp.ema), if this step
-    # was taken (`iterations` moved on from `before`).
-    ema.update_after_exchange(self.inner_optimizer, tf.not_equal(self.iterations, before),
-                              self._step.guard.assign_per_replica)
 
   # --- Forwarded to the inner optimizer -------------------------------------------
 
@@ -495,40 +351,6 @@ class CompressedOptimizer(wrapper_stats.ByteCounts, keras.optimizers.Optimizer):
 
   # --- Statistics and serialization -----------------------------------------------
 
-  def moment_bytes(self):
-    """Of ``variable_bytes()``, what the last step's average of Adam's moments sent.
-
-    With the shared second moment (``second_moment="shared"`` or ``"global"``) the
-    replicas average their moments, dense bfloat16, at steps 1, 2, 4, 8, ...: those bytes
-    are counted in ``variable_bytes()`` beside the compressed exchange's, and
-    ``CompressionStats`` keeps them out of the compression ratio.
-
-    Returns:
-      Bytes per variable, in ``variable_bytes()``'s order (zeros at a step that averaged
-      nothing), or None without a shared second moment.
-    """
-    return wrapper_stats.moment_bytes(self)
-
-  def check_scaling(self, warn: bool = True) -> Optional[bool]:
-    """Whether the all-gather of this exchange has more senders than pays (scaling.py).
-
-    The compact payloads (AdaComp, top-k, FFT) go to every sender: each receives one
-    per sender and step, and past ``scaling.crossover_senders`` senders that is more
-    bytes than a dense ring all-reduce would move. The senders are the workers with the
-    hierarchical exchange, the replicas otherwise; the payload is what the last step
-    sent. A thread started by ``build`` calls this once, after the first compressed
-    exchange, so that a job past the crossover is told
-    (``scaling.AllGatherScalingWarning``) without asking.
-
-    Args:
-      warn: a bool; whether a True result also warns.
-
-    Returns:
-      True past the crossover, False before it, None when it cannot tell (not built,
-      one sender, no compact payload, a warm-up step or a step that sent nothing).
-    """
-    return wrapper_stats.check_scaling(self, warn)
-
   def get_config(self):
     return {
         "name": self.name,
@@ -569,18 +391,3 @@ class CompressedOptimizer(wrapper_stats.ByteCounts, keras.optimizers.Optimizer):
     """
     inner, config = wrapper_config.keras3_arguments(config, custom_objects)
     return cls(inner, **config)
-
-
-def _variable_path(variable):
-  """A Keras variable's ``path``; a plain ``tf.Variable`` (no ``path``) its ``name``, as
-  Keras' ``add_variable_from_reference`` names the slots of either."""
-  return getattr(variable, "path", None) or variable.name
-
-
-def _variable_name(variable, suffix):
-  """The name of ``variable``'s state ``suffix`` ("residue", "anchor", ...)."""
-  return _variable_path(variable).replace("/", "_").replace(":", "_") + "_" + suffix
-
-
-def _no_all_reduce(grads_and_vars):
-  return list(grads_and_vars)

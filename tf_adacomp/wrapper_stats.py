@@ -18,7 +18,10 @@ _SCALING_PAUSE_MAX_S = 30.0
 
 class ByteCounts:
   """``variable_bytes`` and ``compression_stats`` of a wrapper whose ``build`` sets
-  ``plans`` and ``bytes_sent`` (and whose ``_is_built()`` says so)."""
+  ``plans`` and ``bytes_sent`` (and whose ``_is_built()`` says so: Keras' ``built``)."""
+
+  def _is_built(self):
+    return self.built
 
   def variable_bytes(self):
     """``[(plan, bytes one replica sent for that variable in the last step)]``."""
@@ -29,6 +32,44 @@ class ByteCounts:
   def compression_stats(self):
     """Bytes of the last step per variable kind and in total (``tf_adacomp.stats``)."""
     return stats.summarize(self.variable_bytes()) if self._is_built() else {}
+
+
+class Reports(ByteCounts):
+  """``ByteCounts``, and what the Keras 3 wrapper reports besides."""
+
+  def moment_bytes(self):
+    """Of ``variable_bytes()``, what the last step's average of Adam's moments sent.
+
+    With the shared second moment (``second_moment="shared"`` or ``"global"``) the
+    replicas average their moments, dense bfloat16, at steps 1, 2, 4, 8, ...: those bytes
+    are counted in ``variable_bytes()`` beside the compressed exchange's, and
+    ``CompressionStats`` keeps them out of the compression ratio.
+
+    Returns:
+      Bytes per variable, in ``variable_bytes()``'s order (zeros at a step that averaged
+      nothing), or None without a shared second moment.
+    """
+    return moment_bytes(self)
+
+  def check_scaling(self, warn: bool = True) -> Optional[bool]:
+    """Whether the all-gather of this exchange has more senders than pays (scaling.py).
+
+    The compact payloads (AdaComp, top-k, FFT) go to every sender: each receives one
+    per sender and step, and past ``scaling.crossover_senders`` senders that is more
+    bytes than a dense ring all-reduce would move. The senders are the workers with the
+    hierarchical exchange, the replicas otherwise; the payload is what the last step
+    sent. A thread started by ``build`` calls this once, after the first compressed
+    exchange, so that a job past the crossover is told
+    (``scaling.AllGatherScalingWarning``) without asking.
+
+    Args:
+      warn: a bool; whether a True result also warns.
+
+    Returns:
+      True past the crossover, False before it, None when it cannot tell (not built,
+      one sender, no compact payload, a warm-up step or a step that sent nothing).
+    """
+    return check_scaling(self, warn)
 
 
 def moment_bytes(optimizer):

@@ -17,6 +17,44 @@ import tensorflow as tf
 
 from tf_adacomp import ema
 from tf_adacomp import replica_steps
+from tf_adacomp.steps.arguments import ALL_REDUCE_HOOK
+from tf_adacomp.steps.arguments import BASE_DEFAULTS
+
+
+def build(optimizer, var_list, per_replica, outer_optimizer="average"):
+  """Builds a Keras 3 inner optimizer (and outer optimizer) for the wrapper.
+
+  Args:
+    optimizer: the inner optimizer.
+    var_list: the variables it steps.
+    per_replica: whether each replica steps it with its own state (the update
+      exchange): its slots then hold one value per replica (on-read, as the residues),
+      a checkpoint stores their mean rather than replica 0's copy, and each replica's
+      copy beside it (``tf_adacomp.replica_state``).
+    outer_optimizer: "average" or a Keras optimizer: its state is the same on every
+      replica (it steps the anchor, which is), and it is handed pseudo-gradients that
+      are means already.
+  """
+  if not isinstance(outer_optimizer, str):
+    outer_optimizer.build(var_list)
+    setattr(outer_optimizer, ALL_REDUCE_HOOK, no_all_reduce)
+  if per_replica:
+    with tf.variable_creator_scope(replica_steps.one_value_per_replica):
+      optimizer.build(var_list)
+  else:
+    optimizer.build(var_list)
+  if optimizer.use_ema:
+    # Its average follows the exchanged weights, not each replica's own (tf_adacomp.ema).
+    ema.defer(optimizer)
+  # Keras' TensorFlow optimizers all-reduce gradients in `apply`. The wrapped one only
+  # ever receives gradients already summed over replicas, so that second, dense
+  # all-reduce is switched off (an instance attribute: replica threads share it).
+  setattr(optimizer, ALL_REDUCE_HOOK, no_all_reduce)
+
+
+def no_all_reduce(grads_and_vars):
+  """The inner optimizer's all-reduce, switched off: its gradients are summed already."""
+  return list(grads_and_vars)
 
 
 class KerasInner:
@@ -77,3 +115,30 @@ class TfKerasInner(KerasInner):
   @staticmethod
   def own_gradient(grad, replicas):
     return None if grad is None else tf.convert_to_tensor(grad) * replicas
+
+
+class InnerSetting:
+  """A data descriptor: the base optimizer setting of this name is the inner optimizer's.
+
+  Keras' base class writes and reads these on the wrapper too: its ``__init__`` writes the
+  defaults before there is an inner optimizer (ignored: the wrapper refused any other
+  value), and its ``build`` reads ``gradient_accumulation_steps`` to create accumulators,
+  which only the inner optimizer needs; while ``_reading_own_settings`` is set the
+  wrapper's own default is read instead.
+  """
+
+  def __set_name__(self, owner, name):
+    self.name = name  # pylint: disable=attribute-defined-outside-init
+
+  def __get__(self, wrapper, owner=None):
+    if wrapper is None:
+      return self
+    inner = wrapper.__dict__.get("inner_optimizer")
+    if inner is None or wrapper.__dict__.get("_reading_own_settings"):
+      return BASE_DEFAULTS[self.name]
+    return getattr(inner, self.name)
+
+  def __set__(self, wrapper, value):
+    inner = wrapper.__dict__.get("inner_optimizer")
+    if inner is not None:
+      setattr(inner, self.name, value)

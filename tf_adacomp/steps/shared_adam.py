@@ -1,11 +1,36 @@
 """The update exchange with Adam's second moment shared by every replica
 (``second_moment="shared"`` or ``"global"``; ``tf_adacomp.shared_moment`` has the
-algorithm): each replica keeps its own first moment and second moment, the shared one
-is computed from the replicas' means at the sync steps (1, 2, 4, 8, ...), and the
-replicas' Adam steps (or, with ``precondition="after"``, their first moments times the
-step size) are compressed and their mean applied. The wrapper computes Adam's step
-itself. A step whose gradient is not finite on some replica, or whose combined step is
-not, changes nothing (weights, moments, residues, ``iterations``).
+algorithm). The wrapper computes Adam's step itself.
+
+- "local" (not here: ``steps.updates``): each replica divides its own first moment by
+  its own second moment, and the mean of those steps is not Adam's step on the mean
+  gradient (Adam is not linear in its gradient).
+- "shared": every replica divides by the same second moment, the replicas' mean,
+  averaged (a dense bfloat16 all-reduce, counted in the bytes) at steps 1, 2, 4, 8, ...
+  (``second_moment_interval`` caps the interval); the step is then linear in the first
+  moment, and without compression every replica takes Adam's step on the mean gradient
+  with that second moment (1-bit Adam's and 0/1 Adam's observation). Between averages
+  each replica's step is clipped to Adam's own bound on a step (the shared moment is
+  then older than the replica's, and an element first seen since the last average has
+  none); at an average, and at every step with one replica, it is Adam's step
+  unclipped.
+- "global": as "shared", with the second moment of the mean gradient estimated from the
+  replicas' own (a replica's smaller batch has R times its noise); it also keeps a
+  moving average of each replica's squared first moment.
+
+An Embedding's sparse gradient adds its slices' squares, as Keras' Adam does (clipped by
+``local_clipnorm`` it is dense, as Keras' ``global_clipnorm`` makes it). With one
+replica "shared" and "global" are the plain inner optimizer.
+
+``precondition="before"``: each replica's Adam step is compressed (the residue holds
+steps). ``"after"``: each replica's first moment times the step size is compressed, and
+the decoded mean is divided by ``sqrt(v) + epsilon`` on arrival (the same on every
+replica, so the result is the same without compression); the residue then holds
+momentum, whose large elements AdaComp sends first, where Adam's normalised steps are
+flat.
+
+A step whose gradient is not finite on some replica, or whose combined step is not,
+changes nothing (weights, moments, residues, ``iterations``).
 
 Also the arguments of that choice: ``resolve_second_moment``, ``default_second_moment``,
 ``check_interval``, ``check_precondition``.
