@@ -9,10 +9,11 @@ wrapped, one line::
 
     optimizer = adacomp.CompressedOptimizer(tf_keras.optimizers.SGD(0.1, momentum=0.9))
 
-The payloads cross devices and workers through ``exchange.Exchange``, the one exchange
-engine of the Keras 3 ``tf_adacomp.CompressedOptimizer`` and of ``CompressedAllReduce``,
-with each replica's residue (error feedback) for what it has not sent yet. The two
-exchanges of the Keras 3 wrapper (``exchange=``):
+The wrapper is a shell over the steps of the Keras 3 ``tf_adacomp.CompressedOptimizer``
+(``tf_adacomp.steps``: the one guarded step, the gradient and update exchanges), with an
+adapter for tf_keras' optimizers (``steps.inner.TfKerasInner``); the payloads cross
+devices and workers through ``exchange.Exchange``, with each replica's residue (error
+feedback) for what it has not sent yet. The two exchanges (``exchange=``):
 
 - ``"updates"`` (the default for a ``tf_keras.optimizers.Optimizer`` with
   ``reduction="sum"``): each replica
@@ -60,8 +61,6 @@ Not here (Keras 3 only, ``tf_adacomp.CompressedOptimizer``): the shared Adam mom
 precision (a ``LossScaleOptimizer`` around this wrapper is refused at its first step).
 """
 
-import numpy as np
-
 try:
   import tf_keras
 except ImportError as error:  # an optional dependency: say how to get it
@@ -77,6 +76,7 @@ from tf_adacomp import exchange as exchange_lib
 from tf_adacomp import hierarchy as hierarchy_lib
 from tf_adacomp import optimizer as optimizer_lib
 from tf_adacomp import replica_state
+from tf_adacomp import tf_keras_saving
 from tf_adacomp import replica_steps
 from tf_adacomp import wrapper_config
 from tf_adacomp import wrapper_stats
@@ -94,7 +94,8 @@ EXCHANGES = ("gradients", "updates")
 
 
 @tf_keras.saving.register_keras_serializable(package="tf_adacomp")
-class CompressedOptimizer(wrapper_stats.ByteCounts, tf_keras.optimizers.Optimizer):
+class CompressedOptimizer(wrapper_stats.ByteCounts, tf_keras_saving.Saving,
+                          tf_keras.optimizers.Optimizer):
   """Wraps a tf_keras optimizer so that the replicas exchange compressed updates or
   gradients (see the module docstring).
 
@@ -245,14 +246,6 @@ class CompressedOptimizer(wrapper_stats.ByteCounts, tf_keras.optimizers.Optimize
     inner = self.inner_optimizer.variables
     return list(self._variables) + list(inner() if callable(inner) else inner)
 
-  @property
-  def _replica_state(self):
-    """Each replica's own copy of the per-replica state, as a ``.keras`` file keeps it
-    (``tf_adacomp.replica_state``). tf_keras saves and loads an optimizer's attributes
-    in reverse name order: this name comes after ``inner_optimizer``, whose entry holds
-    the replicas' means. Empty before ``build`` and with one replica."""
-    return _FileCopies(self.variables if self._built else [])
-
   # --- Applying gradients ----------------------------------------------------------
 
   def apply_gradients(self, grads_and_vars, name=None, skip_gradients_aggregation=False,
@@ -332,100 +325,6 @@ class CompressedOptimizer(wrapper_stats.ByteCounts, tf_keras.optimizers.Optimize
     if finalize is not None:
       finalize(var_list)
 
-  # --- Saving and loading -----------------------------------------------------------
-
-  def set_weights(self, weights):
-    """Sets the optimizer's state from values in the order of ``variables`` (the
-    wrapper's, then the inner optimizer's), as tf_keras' ``.h5`` loader does.
-
-    A residue takes the sum of the replicas' residues (what a save stores) and each
-    replica of the strategy now present gets an even share of it; a slot kept per
-    replica takes the replicas' mean, set on every replica.
-
-    Args:
-      weights: arrays (NumPy arrays, h5py datasets, tensors), one per variable.
-
-    Raises:
-      ValueError: the optimizer is not built; the number of values or a shape differs
-        from the optimizer's and the values hold some state (all zeros, the step
-        counter's included, is the state of an optimizer that never stepped: this one
-        is left as it is).
-    """
-    if not self._built:
-      raise ValueError(
-          "CompressedOptimizer.set_weights() needs the optimizer built (its residues "
-          "exist once it is): call optimizer.build(model.trainable_variables) first.")
-    self._assign_state([np.asarray(w) for w in weights], "the values given to set_weights")
-
-  def load_own_variables(self, store):
-    """Restores the state a ``.keras`` (or ``.weights.h5``) file holds; tf_keras'
-    ``load_model`` and ``load_weights`` call it. Before ``build`` (``load_weights``
-    into a new model), the state is kept and set when the optimizer is built, at its
-    first step.
-
-    Args:
-      store: the file's entries of this optimizer, ``"0"``, ``"1"``, ... in the order
-        of ``variables``.
-
-    Raises:
-      ValueError: the file holds a different number of variables or other shapes than
-        the built optimizer and some state (all zeros, the step counter's included, is
-        the state of an optimizer that never stepped: this one is left as it is).
-    """
-    # Read now: the file is closed once the model is loaded.
-    values = [np.asarray(store[str(i)]) for i in range(len(store.keys()))]
-    source = "the file's state of this optimizer"
-    if not self._built and len(values) > len(self.variables):
-      self._pending_state = self._no_dependency((values, source))
-      return
-    self._assign_state(values, source)
-
-  def _assign_state(self, values, source):
-    """Sets ``variables`` from ``values`` (NumPy arrays, their saved cross-replica
-    values) in order, or refuses, naming what would be lost."""
-    variables = self.variables
-    if len(values) != len(variables):
-      if not any(np.any(v) for v in values):
-        return  # an optimizer saved before its first step: its state is the initial one
-      raise ValueError(
-          f"CompressedOptimizer {self.name!r} has {len(variables)} variables (residues, "
-          f"bytes_sent, then the inner optimizer's) but {source} has {len(values)}: the "
-          f"saved optimizer was built for other variables or with another compressor, "
-          f"exchange or inner optimizer, and its step counter, slots and residues cannot "
-          f"be restored. Load with compile=False and compile a new optimizer to start "
-          f"afresh.")
-    for variable, value in zip(variables, values):
-      if tuple(variable.shape) != value.shape:
-        raise ValueError(
-            f"CompressedOptimizer {self.name!r}: variable {variable.name} has shape "
-            f"{tuple(variable.shape)} but {source} holds shape {value.shape} for it.")
-    replicas = self._distribution_strategy.num_replicas_in_sync
-    for variable, value in zip(variables, values):
-      _set_every_replica(variable, value, replicas)
-
-  def _trackable_children(self, save_type="checkpoint", **kwargs):
-    """The wrapper's attributes (``inner_optimizer``, ``residues``, ``bytes_sent``) for a
-    checkpoint; a SavedModel is refused.
-
-    Raises:
-      ValueError: for a SavedModel (``model.save(directory)``, ``tf.saved_model.save``).
-    """
-    if save_type == "savedmodel":
-      raise ValueError(
-          "A SavedModel (model.save(directory), tf.saved_model.save) cannot keep the "
-          "state of tf_adacomp.tf_keras.CompressedOptimizer: tf_keras.models.load_model "
-          "compiles the model again with a new optimizer from its config, so the inner "
-          "optimizer's step counter (iterations) and slots and the residues (error "
-          "feedback) it saved would be lost. Save to a file ending in .keras or .h5 "
-          "(model.save('model.keras')), or use tf.train.Checkpoint / save_weights for the "
-          "training state; model.save(directory, include_optimizer=False) or "
-          "model.export(directory) saves the model alone, for inference.")
-    # Not tf_keras' Optimizer._trackable_children: it keeps the first answer, given
-    # before `build` when a checkpoint is restored into a new optimizer, and a later
-    # save would then hold neither the residues nor bytes_sent.
-    children = tf.__internal__.tracking.AutoTrackable._trackable_children  # pylint: disable=protected-access
-    return children(self, save_type, **kwargs)
-
   # --- Statistics and serialization -----------------------------------------------
 
   def _is_built(self):
@@ -473,23 +372,6 @@ class CompressedOptimizer(wrapper_stats.ByteCounts, tf_keras.optimizers.Optimize
     return cls(inner, **config)
 
 
-class _FileCopies(replica_state.FileCopiesMixin, tf_keras.losses.Loss):
-  """``replica_state.FileCopiesMixin`` for tf_keras' ``.keras`` saving, which visits
-  only layers, optimizers, metrics and losses among an object's attributes: a Loss that
-  computes nothing.
-
-  Args:
-    variables: the optimizer's variables (those that ``is_per_replica`` are kept).
-  """
-
-  def __init__(self, variables):
-    super().__init__(name="replica_state")
-    self._set_copied(variables)
-
-  def call(self, y_true, y_pred):
-    raise NotImplementedError("The per-replica state of a file is not a loss.")
-
-
 def _build_inner(optimizer, var_list):
   """Makes the inner optimizer's variables (step counter, slots) for ``var_list``.
 
@@ -500,25 +382,6 @@ def _build_inner(optimizer, var_list):
     optimizer.build(var_list)
   else:
     optimizer._create_all_weights(var_list)  # pylint: disable=protected-access
-
-
-def _set_every_replica(variable, value, replicas):
-  """Sets each replica's copy of ``variable`` from ``value``, its saved cross-replica
-  value: an even share of it for a variable summed on read (a residue), ``value``
-  itself for the others.
-
-  Copy by copy, not ``variable.assign``: ``build`` (which sets a state loaded before
-  it) may run in a replica context, where ``assign`` of an on-read variable sets that
-  replica's copy alone; and a loader's h5py dataset cannot be divided over replicas."""
-  if (variable.synchronization == tf.VariableSynchronization.ON_READ
-      and variable.aggregation == tf.VariableAggregation.SUM):
-    value = value / replicas
-  value = value.astype(variable.dtype.as_numpy_dtype)
-  if isinstance(variable, tf.distribute.DistributedValues):
-    for copy in variable.values:
-      copy.assign(value)
-  else:
-    variable.assign(value)
 
 
 def _unique(name, taken):
