@@ -48,7 +48,8 @@ from tf_adacomp.steps.arguments import ADASUM_MODES, ALL_REDUCE_HOOK, DEFAULT_EX
 from tf_adacomp.steps.shared_adam import DEFAULT_SECOND_MOMENT, PRECONDITIONS, default_second_moment  # noqa: F401  pylint: disable=unused-import
 
 @keras.saving.register_keras_serializable(package="tf_adacomp")
-class CompressedOptimizer(wrapper_stats.Reports, keras.optimizers.Optimizer):
+class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
+                          keras.optimizers.Optimizer):
   """Wraps a Keras optimizer so that gradients (or its updates) are exchanged compressed.
 
   Mixed precision (``mixed_float16``): ``LossScaleOptimizer(CompressedOptimizer(inner))``,
@@ -295,19 +296,7 @@ class CompressedOptimizer(wrapper_stats.Reports, keras.optimizers.Optimizer):
     dense = self.iterations < self.start_step if self.start_step else None
     self._step(grads, trainable_variables, indices, dense)
 
-  # --- Forwarded to the inner optimizer -------------------------------------------
-
-  @property
-  def learning_rate(self):
-    return self.inner_optimizer.learning_rate
-
-  @learning_rate.setter
-  def learning_rate(self, learning_rate):
-    self.inner_optimizer.learning_rate = learning_rate
-
-  @property
-  def iterations(self):
-    return self.inner_optimizer.iterations
+  # --- Forwarded to the inner optimizer (and learning_rate, iterations) ------------
 
   def scale_loss(self, loss):
     return self.inner_optimizer.scale_loss(loss)

@@ -94,8 +94,8 @@ EXCHANGES = ("gradients", "updates")
 
 
 @tf_keras.saving.register_keras_serializable(package="tf_adacomp")
-class CompressedOptimizer(wrapper_stats.ByteCounts, tf_keras_saving.Saving,
-                          tf_keras.optimizers.Optimizer):
+class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.ByteCounts,
+                          tf_keras_saving.Saving, tf_keras.optimizers.Optimizer):
   """Wraps a tf_keras optimizer so that the replicas exchange compressed updates or
   gradients (see the module docstring).
 
@@ -299,26 +299,9 @@ class CompressedOptimizer(wrapper_stats.ByteCounts, tf_keras_saving.Saving,
                self.iterations < self.start_step if self.start_step else None)
     return self.iterations
 
-  # --- Forwarded to the inner optimizer -------------------------------------------
+  # --- Forwarded to the inner optimizer (and learning_rate, iterations) ------------
 
-  @property
-  def iterations(self):
-    """The inner optimizer's step counter (a skipped step does not count)."""
-    return self.inner_optimizer.iterations
-
-  @iterations.setter
-  def iterations(self, variable):
-    self.inner_optimizer.iterations = variable
-
-  @property
-  def learning_rate(self):
-    return self.inner_optimizer.learning_rate
-
-  @learning_rate.setter
-  def learning_rate(self, learning_rate):
-    self.inner_optimizer.learning_rate = learning_rate
-
-  lr = learning_rate
+  lr = inner_lib.Forwarding.learning_rate
 
   def finalize_variable_values(self, var_list):
     finalize = getattr(self.inner_optimizer, "finalize_variable_values", None)

@@ -37,9 +37,7 @@ class GradientExchange:
     this is a warm-up step."""
     guard = self.guard
     ctx = tf.distribute.get_replica_context()
-    replicas = ctx.num_replicas_in_sync
-    plans = [guard.plans[i] for i in indices]
-    states = guard.states(indices)
+    replicas, plans, states = guard.begin(indices)
     engine = guard.engine
     keeps_slices = self.inner.keeps_slices
     # One replica whose exchange sends every gradient as it is: the sum is its own

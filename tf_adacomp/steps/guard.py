@@ -77,6 +77,12 @@ class Guard:
 
   # --- 2. Exchange and settle --------------------------------------------------------
 
+  def begin(self, indices):
+    """What a step over the variables at ``indices`` starts from: ``(replicas, their
+    plans, this replica's residues of them)``."""
+    replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+    return replicas, [self.plans[i] for i in indices], self.states(indices)
+
   def states(self, indices) -> List[tuple]:
     """This replica's residues (compressor states) of the variables at ``indices``."""
     return [tuple(read(r) for r in self.residues[i]) for i in indices]

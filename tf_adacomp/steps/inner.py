@@ -142,3 +142,25 @@ class InnerSetting:
     inner = wrapper.__dict__.get("inner_optimizer")
     if inner is not None:
       setattr(inner, self.name, value)
+
+
+class Forwarding:
+  """What both wrappers forward to their ``inner_optimizer``: its learning rate (read
+  and set) and its step counter (a skipped step does not count)."""
+
+  @property
+  def learning_rate(self):
+    return self.inner_optimizer.learning_rate
+
+  @learning_rate.setter
+  def learning_rate(self, learning_rate):
+    self.inner_optimizer.learning_rate = learning_rate
+
+  @property
+  def iterations(self):
+    """The inner optimizer's step counter (a skipped step does not count)."""
+    return self.inner_optimizer.iterations
+
+  @iterations.setter
+  def iterations(self, variable):  # tf_keras' loaders set it
+    self.inner_optimizer.iterations = variable

@@ -35,9 +35,7 @@ class LocalRounds(updates.UpdateExchange):
 
   def __call__(self, grads, variables, indices, dense):
     guard, iterations = self.guard, self.inner.optimizer.iterations
-    replicas = tf.distribute.get_replica_context().num_replicas_in_sync
-    plans = [guard.plans[i] for i in indices]
-    states = guard.states(indices)
+    replicas, plans, states = guard.begin(indices)
     own = [self.inner.own_gradient(g, replicas) for g in grads]
     state = local_steps_lib.round_state(self, len(self.variables))
     done = tf.cast(iterations, tf.int64)  # the steps before this one

@@ -75,11 +75,8 @@ class SharedMoment:
     self.momentum_squares = momentum_squares
 
   def __call__(self, grads, variables, indices, dense):
-    guard = self.guard
-    replicas = tf.distribute.get_replica_context().num_replicas_in_sync
-    inner = self.inner.optimizer
-    plans = [guard.plans[i] for i in indices]
-    states = guard.states(indices)
+    guard, inner = self.guard, self.inner.optimizer
+    replicas, plans, states = guard.begin(indices)
     own = [self.inner.own_gradient(g, replicas) for g in grads]
     if self.local_clipnorm is not None:
       # Dense afterwards, as Keras' global_clipnorm makes an IndexedSlices: Adam then

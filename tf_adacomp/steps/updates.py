@@ -47,9 +47,7 @@ class UpdateExchange:
   def __call__(self, grads, variables, indices, dense):
     """One step on this replica's ``grads`` for ``variables`` (at ``indices``)."""
     guard = self.guard
-    replicas = tf.distribute.get_replica_context().num_replicas_in_sync
-    plans = [guard.plans[i] for i in indices]
-    states = guard.states(indices)
+    replicas, plans, states = guard.begin(indices)
     # This replica's mean gradient. An Embedding's IndexedSlices stay slices where the
     # inner optimizer steps on them (Keras 3's: Adam adds the slices' squares). A clip
     # (in own_step) leaves a gradient that is not finite not finite, so the unclipped
