@@ -32,6 +32,23 @@ def on_every_replica_if(flag, fn, values):
   tf.distribute.get_replica_context().merge_call(in_cross_replica, args=(values, flag))
 
 
+def all_replicas_finite(finite, *counts):
+  """Whether ``finite`` (this replica's bool) holds on every replica, and the sums over
+  the replicas of ``counts`` (float32 scalars), in one all-reduce: the one place where
+  the replicas agree on a step (``steps.guard``, ``compat.loss_scale``), so that every
+  replica takes the same branch around a collective.
+
+  Returns:
+    A bool tensor, or with ``counts`` a tuple (that bool, the list of summed counts).
+  """
+  not_finite = tf.cast(tf.logical_not(tf.convert_to_tensor(finite)), tf.float32)
+  ctx = tf.distribute.get_replica_context()
+  if not counts:
+    return tf.equal(ctx.all_reduce(tf.distribute.ReduceOp.SUM, not_finite), 0.0)
+  flags = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.stack([not_finite, *counts]))
+  return tf.equal(flags[0], 0.0), [flags[k] for k in range(1, len(counts) + 1)]
+
+
 def clip_by_global_norm(tensors, clipnorm):
   """``tensors`` clipped to the global norm ``clipnorm`` as Keras 3's ``global_clipnorm``
   clips them (None entries kept), so that one replica with ``local_clipnorm=c`` is the

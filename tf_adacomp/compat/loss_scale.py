@@ -52,6 +52,7 @@ import functools
 import keras
 import tensorflow as tf
 
+from tf_adacomp import replica_steps
 from tf_adacomp.compat import patches
 
 __all__ = ["AGREE_ON_FINITE", "CHECK_FINITE", "apply_loss_scale_fix", "loss_scale_fix_applied",
@@ -82,8 +83,7 @@ def _wrap_check_finite(original):
     # Keras' gradients are per replica here: one replica's overflow must lower the
     # scale and skip the step on all of them (and every replica must take the same
     # branch, since the compressed exchange in the step branch is a collective).
-    not_finite = tf.cast(tf.logical_not(tf.convert_to_tensor(finite)), tf.float32)
-    return tf.equal(context.all_reduce(tf.distribute.ReduceOp.SUM, not_finite), 0.0)
+    return replica_steps.all_replicas_finite(finite)
 
   return check_finite
 

@@ -68,12 +68,7 @@ class Guard:
     Returns:
       A bool tensor, or with ``counts`` a tuple (that bool, the summed counts).
     """
-    bad = tf.cast(tf.logical_not(fused.all_finite(tensors)), tf.float32)
-    ctx = tf.distribute.get_replica_context()
-    if not counts:
-      return tf.equal(ctx.all_reduce(tf.distribute.ReduceOp.SUM, bad), 0.0)
-    flags = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.stack([bad, *counts]))
-    return tf.equal(flags[0], 0.0), [flags[k] for k in range(1, len(counts) + 1)]
+    return replica_steps.all_replicas_finite(fused.all_finite(tensors), *counts)
 
   # --- 2. Exchange and settle --------------------------------------------------------
 
