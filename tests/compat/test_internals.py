@@ -372,7 +372,7 @@ def test_distribution_strategy_is_the_scope_the_optimizer_was_made_in():
 
 
 def test_track_variable_makes_a_variable_the_optimizers_own():
-  name, user = "`Optimizer._track_variable`", "CompressedOptimizer._add_replica_variable"
+  name, user = "`Optimizer._track_variable`", "steps.variables.Maker.one"
   optimizer, _ = _built(keras.optimizers.SGD(0.1))
   residue = keras.Variable(np.zeros([3], np.float32), trainable=False, name="residue")
   with canaries.watching(name, user):
@@ -403,7 +403,7 @@ def test_trainable_variables_is_the_built_list():
 
 def test_strategy_supports_no_merge_call_is_false_for_mirrored_on_cpus():
   name = "`tf.__internal__.distribute.strategy_supports_no_merge_call`"
-  user = "CompressedOptimizer._on_every_replica_if"
+  user = "replica_steps.on_every_replica_if (steps.guard)"
   strategy = _mirrored()
 
   found = []
@@ -422,7 +422,7 @@ def test_strategy_supports_no_merge_call_is_false_for_mirrored_on_cpus():
 
 def test_maybe_merge_call_runs_in_cross_replica_context_with_the_strategy():
   name = "`tf.__internal__.distribute.interim.maybe_merge_call`"
-  user = "CompressedOptimizer._assign_per_replica"
+  user = "replica_steps.assign_per_replica (steps.guard)"
   strategy = _mirrored()
   seen = []
 
