@@ -13,6 +13,8 @@ module composed on it.
 - ``arguments``: the Keras 3 wrapper's arguments checked and resolved, each mode's own
   checks in its module.
 
-A new exchange mode is a new module here with a class of that call, chosen in
-``arguments.step_kind`` and made in the wrappers' ``build``.
+A new exchange mode is a new module here with a class of that call, its argument checks
+beside it (called from ``arguments``), chosen and made by the wrapper's ``_make_step``.
+A feature that follows any step wraps it (``ema.AfterExchange``) rather than branching
+inside one.
 """

@@ -1,6 +1,6 @@
 """How an exchange mode reaches the inner optimizer: one adapter per wrapper.
 
-A mode (``steps.gradients``, ``steps.updates``, ...) needs four things of the inner
+A mode (``steps.gradients``, ``steps.updates``, ...) needs five things of the inner
 optimizer, and the two wrappers differ only there:
 
 - ``optimizer``: the inner optimizer itself (its ``iterations``, slots, settings);
