@@ -26,6 +26,8 @@ import threading
 import keras
 import tensorflow as tf
 
+from tf_adacomp.compat import patches
+
 UPDATE = "_update_model_variables_moving_average"
 OVERWRITE = "_overwrite_model_variables_with_average_value"
 AVERAGES = "_model_variables_moving_average"
@@ -35,30 +37,42 @@ AVERAGES = "_model_variables_moving_average"
 _state = threading.local()
 
 
+def _wrap_deferred(original):
+  """``original`` (the optimizer's bound method), doing nothing inside ``deferred()``."""
+
+  def hook(*args, **kwargs):
+    if getattr(_state, "deferring", False):
+      return None
+    return original(*args, **kwargs)
+
+  return hook
+
+
+_MISSING = ("{type} has no `{attribute}` in Keras " + keras.__version__
+            + ": tf_adacomp.ema needs updating for it.")
+
+# The instance patches of ``defer`` (``compat.patches``), named by what they replace.
+DEFERRED = tuple(f"Optimizer.{name}" for name in (UPDATE, OVERWRITE))
+for _name, _attribute in zip(DEFERRED, (UPDATE, OVERWRITE)):
+  patches.register(patches.InstancePatch(name=_name, attribute=_attribute,
+                                         wrap=_wrap_deferred, missing=_MISSING))
+del _name, _attribute
+
+
 def defer(optimizer) -> None:
   """Makes ``optimizer``'s own average update and overwrite do nothing inside
   ``deferred()``, in the thread that entered it; elsewhere (``finalize_variable_values``,
   a callback) they run as before. Idempotent.
 
+  The instance patches ``DEFERRED`` (``compat.patches.patch_instance``): the class and
+  every other optimizer keep Keras' methods.
+
   Raises:
     RuntimeError: ``optimizer`` lacks one of the methods (a Keras release that renamed
       them).
   """
-  for name in (UPDATE, OVERWRITE):
-    original = getattr(optimizer, name, None)
-    if original is None:
-      raise RuntimeError(f"{type(optimizer).__name__} has no `{name}` in Keras "
-                         f"{keras.__version__}: tf_adacomp.ema needs updating for it.")
-    if getattr(original, "_tf_adacomp_deferred", False):
-      continue
-
-    def hook(*args, _original=original, **kwargs):
-      if getattr(_state, "deferring", False):
-        return None
-      return _original(*args, **kwargs)
-
-    hook._tf_adacomp_deferred = True  # pylint: disable=protected-access
-    setattr(optimizer, name, hook)
+  for name in DEFERRED:
+    patches.patch_instance(optimizer, name)
 
 
 @contextlib.contextmanager

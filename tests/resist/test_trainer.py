@@ -9,6 +9,8 @@ import tensorflow as tf
 import digits_data
 import tf_adacomp
 from tf_adacomp import resist
+from tf_adacomp.compat import internals
+from tf_adacomp.compat import patches
 
 DEVICES = ["/cpu:0", "/cpu:1"]
 
@@ -41,9 +43,12 @@ class _Recorder(resist.ResIST):
   def __init__(self, **kwargs):
     super().__init__(**kwargs)
     self.starts, self.ends, self.afters, self.partitions, self.momenta = [], [], [], [], []
+    self.patched = []  # per round: whether the optimizer's all-reduce was the local one
 
   def _start_round(self):
     super()._start_round()
+    self.patched.append(patches.instance_applied(self.model.optimizer,
+                                                 internals.ALL_REDUCE_LOCAL))
     self.starts.append(_copies(self.model, self.model.distribute_strategy))
     self.partitions.append(self.held.copy())
 
@@ -91,6 +96,7 @@ def _check_rounds(model, recorder, rounds):
   for momenta in recorder.momenta:  # optimizer state reset after every exchange
     assert momenta and not any(np.any(m) for m in momenta)
   np.testing.assert_array_equal(resist.get_gates(model), 0.5)  # test time: 1/S
+  assert recorder.patched == [True] * rounds  # each replica's own gradient, no all-reduce
   assert "_all_reduce_sum_gradients" not in vars(model.optimizer)  # restored after fit
 
   measured = recorder.communication()

@@ -18,9 +18,11 @@ Accessors
   a class of its own, not a subclass, with its own copy of the attribute), which
   ``MirroredExtended.__init__`` reads as the start of the strategy's collective keys (0
   for every instance in TensorFlow), replaced on each class by a descriptor that gives
-  each instance a base of its own from ``allocate()``. Used by ``tf_adacomp.distribute``
+  each instance a base of its own from ``allocate()``: the patches ``COLLECTIVE_KEY_BASE``
+  and ``COLLECTIVE_KEY_BASE_V1`` (``compat.patches``). Used by ``tf_adacomp.distribute``
   when it is imported, so that every ``MirroredStrategy`` of either API made after that
-  (the user's own included) numbers its collectives from a key range of its own.
+  (the user's own included) numbers its collectives from a key range of its own (why at
+  import: the function's docstring).
   ``MultiWorkerMirroredStrategy`` (and its v1 class) keeps TensorFlow's base 0: across
   workers its keys must agree, which a per-process counter cannot promise, and no
   ``MirroredStrategy`` range starts at 0. The other strategies (``OneDeviceStrategy``,
@@ -54,11 +56,15 @@ Accessors
   ``CollectiveAllReduceExtended._initialize_local_devices`` (what a
   ``MultiWorkerMirroredStrategy`` made from ``TF_CONFIG`` takes as its worker's devices:
   every GPU, else one CPU) gives ``count`` devices of ``device_type``, the way
-  TensorFlow's own multi-worker tests give a worker several. Used by
+  TensorFlow's own multi-worker tests give a worker several: the patch
+  ``LOCAL_DEVICES``, for a while (``patches.patched``). Used by
   ``distribute.multi_worker_strategy(devices_per_worker=...)``.
 - ``keras_tensorflow_trainer()``: the module ``keras.src.backend.tensorflow.trainer``,
   with ``TensorFlowTrainer._maybe_symbolic_build``, ``reduce_per_replica`` and
   ``_collective_all_reduce_multi_worker``: what ``compat.keras_multi_worker`` patches.
+
+Every replacement of a framework attribute (of a class, a module or one object) goes
+through ``compat.patches``; its docstring lists each patch with its canary.
 
 Names used in place
 -------------------
@@ -69,7 +75,9 @@ they are used; their canaries are in ``tests/compat/test_internals.py`` too:
   - ``steps.arguments.ALL_REDUCE_HOOK = "_all_reduce_sum_gradients"``: the method of
     Keras' TensorFlow optimizers (``keras/src/backend/tensorflow/optimizer.py``) that
     all-reduces the gradients in ``apply``; replaced on the inner optimizer by
-    ``CompressedOptimizer`` and, through the same constant, by ``resist.trainer.ResIST``.
+    ``CompressedOptimizer`` (the instance patch ``ALL_REDUCE_SUMMED`` of this module, in
+    ``steps.inner.build``) and by ``resist.trainer.ResIST`` (``ALL_REDUCE_LOCAL``), both
+    replacing ``ALL_REDUCE_METHOD``, the same name.
   - ``steps.momentum_masking.first_moment_slots(optimizer)``: SGD's ``momentums``
     (undocumented) and Adam's / AdamW's private ``_momentums``
     (``keras/src/optimizers/sgd.py``, ``adam.py``).
@@ -83,7 +91,8 @@ they are used; their canaries are in ``tests/compat/test_internals.py`` too:
   inner optimizer's build) and ``tf.__internal__.tracking.AutoTrackable._trackable_children``
   (the wrapper's checkpoint children, past tf_keras' cached answer).
 - ``ema.py``: ``UPDATE``, ``OVERWRITE`` and ``AVERAGES``, the base optimizer's EMA methods
-  (replaced on the inner optimizer instance) and its averages.
+  (replaced on the inner optimizer instance: the instance patches ``ema.DEFERRED``) and
+  its averages.
 - ``replica_steps.py`` (for both optimizer wrappers):
   ``tf.__internal__.distribute.strategy_supports_no_merge_call`` and
   ``tf.__internal__.distribute.interim.maybe_merge_call`` (as Keras' own optimizer).
@@ -112,8 +121,8 @@ they are used; their canaries are in ``tests/compat/test_internals.py`` too:
   ``load_own_variables``), which Keras does not export.
 - ``compat.loss_scale``: replaces the public ``LossScaleOptimizer.check_finite`` on the
   class, relying on Keras' ``_tf_apply`` and ``_common_apply`` deciding through it.
-- ``resist/trainer.py``: ``optimizer.ALL_REDUCE_HOOK`` (above), set and deleted on the
-  model's optimizer for local SGD.
+- ``resist/trainer.py``: ``optimizer.ALL_REDUCE_HOOK`` (above), patched on the model's
+  optimizer for local SGD and unpatched after ``fit`` (``ALL_REDUCE_LOCAL``).
 - ``tf_keras.py`` (the tf_keras wrapper, a ``tf_keras.optimizers.Optimizer`` that does not
   run that class's ``__init__``): it sets ``_variables``, ``_mesh``,
   ``_run_with_dtensor``, ``_distribution_strategy`` and ``_built``, which the base
@@ -125,7 +134,7 @@ Public serialization (``keras.saving.register_keras_serializable``,
 package imports no ``keras.src`` module but through ``keras_tensorflow_trainer``.
 """
 
-import contextlib
+import functools
 import importlib
 from typing import Callable, List
 
@@ -133,9 +142,18 @@ import tensorflow as tf
 
 from tensorflow.python.eager import context
 
+from tf_adacomp.compat import patches
+
 __all__ = [
+    "ALL_REDUCE_LOCAL",
+    "ALL_REDUCE_METHOD",
+    "ALL_REDUCE_SUMMED",
+    "COLLECTIVE_KEY_BASE",
+    "COLLECTIVE_KEY_BASES",
+    "COLLECTIVE_KEY_BASE_V1",
     "KERAS_SAVEABLE",
     "KERAS_TENSORFLOW_TRAINER",
+    "LOCAL_DEVICES",
     "add_checkpoint_child",
     "checkpoint_child",
     "configure_coordination_service",
@@ -190,30 +208,53 @@ def configure_coordination_service(cluster_spec, heartbeat_timeout_ms: int) -> N
       coordinated_jobs=jobs, heartbeat_timeout_in_ms=int(heartbeat_timeout_ms))
 
 
-@contextlib.contextmanager
-def multi_worker_local_devices(device_type: str, count: int):
-  """Within it, a ``MultiWorkerMirroredStrategy`` being made takes ``count`` devices of
-  ``device_type`` ("CPU" or "GPU", indices ``0..count-1``) on each worker.
+LOCAL_DEVICES = "CollectiveAllReduceExtended._initialize_local_devices"
 
-  Args:
-    device_type: "CPU" or "GPU".
-    count: the devices per worker, >= 1.
-  """
+
+def _collective_all_reduce_extended():
   # pylint: disable=g-import-not-at-top
   from tensorflow.python.distribute import collective_all_reduce_strategy
   # pylint: enable=g-import-not-at-top
-  extended = collective_all_reduce_strategy.CollectiveAllReduceExtended
-  original = extended.__dict__["_initialize_local_devices"]
+  return collective_all_reduce_strategy.CollectiveAllReduceExtended
+
+
+def _wrap_local_devices(original, device_type: str, count: int):
+  del original  # what every worker takes otherwise: every GPU, else one CPU
 
   def local_devices(self, cluster_resolver, worker_device):  # pylint: disable=unused-argument
     return (tuple(f"{worker_device}/device:{device_type}:{i}" for i in range(count)),
             device_type)
 
-  extended._initialize_local_devices = local_devices  # pylint: disable=protected-access
-  try:
-    yield
-  finally:
-    extended._initialize_local_devices = original  # pylint: disable=protected-access
+  return local_devices
+
+
+patches.register(patches.Patch(
+    name=LOCAL_DEVICES, owner=_collective_all_reduce_extended,
+    attribute="_initialize_local_devices", wrap=_wrap_local_devices,
+    missing=("TensorFlow's CollectiveAllReduceExtended has no _initialize_local_devices "
+             "here: multi_worker_strategy(devices_per_worker=...) cannot choose a worker's "
+             "devices.")))
+
+
+def multi_worker_local_devices(device_type: str, count: int):
+  """Within it, a ``MultiWorkerMirroredStrategy`` being made takes ``count`` devices of
+  ``device_type`` ("CPU" or "GPU", indices ``0..count-1``) on each worker.
+
+  The patch ``LOCAL_DEVICES`` for a while (``patches.patched``): it changes the class,
+  for every strategy made meanwhile, so it lasts only while the strategy is made.
+
+  Args:
+    device_type: "CPU" or "GPU".
+    count: the devices per worker, >= 1.
+
+  Returns:
+    A context manager.
+
+  Raises:
+    RuntimeError: (on entering) the installed TensorFlow lacks the method, or the patch
+      is in place already (two of these do not nest).
+  """
+  return patches.patched(LOCAL_DEVICES, device_type, count)
 
 
 class _CollectiveKeyBasePerInstance:
@@ -252,6 +293,27 @@ def _mirrored_strategy_classes() -> tuple:
   return (tf.distribute.MirroredStrategy, tf.compat.v1.distribute.MirroredStrategy)
 
 
+def _wrap_collective_key_base(original, allocate: Callable[[], int]):
+  del original  # TensorFlow's 0, which the descriptor still gives on the class
+  return _CollectiveKeyBasePerInstance(allocate)
+
+
+_KEY_BASE_MISSING = ("TensorFlow's {} has no _collective_key_base here: two MirroredStrategy "
+                     "objects of one process may share collective keys (\"Shape mismatch in "
+                     "the collective instance 100\").")
+
+COLLECTIVE_KEY_BASE = "MirroredStrategy._collective_key_base"
+COLLECTIVE_KEY_BASE_V1 = "MirroredStrategyV1._collective_key_base"
+COLLECTIVE_KEY_BASES = (COLLECTIVE_KEY_BASE, COLLECTIVE_KEY_BASE_V1)
+
+for _name, _index in zip(COLLECTIVE_KEY_BASES, range(2)):
+  patches.register(patches.Patch(
+      name=_name, owner=lambda index=_index: _mirrored_strategy_classes()[index],
+      attribute="_collective_key_base", wrap=_wrap_collective_key_base,
+      missing=_KEY_BASE_MISSING.format(_name.split(".")[0])))
+del _name, _index
+
+
 def own_collective_keys_per_strategy(allocate: Callable[[], int]) -> None:
   """Gives every ``MirroredStrategy`` made from now on (``tf.distribute`` and
   ``tf.compat.v1.distribute``) its own collective keys.
@@ -265,16 +327,52 @@ def own_collective_keys_per_strategy(allocate: Callable[[], int]) -> None:
   move the class's base by hand between strategies for the same reason). The v1 class
   keeps a class attribute of its own, so it gets a descriptor of its own, sharing
   ``allocate``: a v1 and a v2 strategy in one process get different ranges too.
-  Idempotent: installed once per class; a class base set by hand afterwards (an int)
-  replaces that class's descriptor.
+
+  The patches ``COLLECTIVE_KEY_BASE`` and ``COLLECTIVE_KEY_BASE_V1``
+  (``patches.install``): idempotent, installed once per class (a later call's
+  ``allocate`` is not used); a class base set by hand afterwards (an int) replaces that
+  class's descriptor, and a later call installs it again.
+
+  Why they are installed when ``tf_adacomp`` is imported (``tf_adacomp.distribute`` calls
+  this), not lazily: the strategy that needs keys of its own is often one tf_adacomp
+  never sees being made, made before anything of tf_adacomp is called. A user's own
+  ``tf.distribute.MirroredStrategy()`` is made first and the ``CompressedOptimizer`` or
+  ``CompressedAllReduce`` inside or after it; a notebook trains a plain Keras model
+  under one strategy, then a compressed one under another. The base is read once, in
+  the strategy's constructor, so a patch installed by the optimizer would come too late
+  for its own strategy, and any strategy made before it would keep TensorFlow's keys and
+  collide with the next (``tests/test_strategies_in_one_process.py``).
 
   Args:
     allocate: called once per strategy, returns the strategy's base (its first group key
       minus one).
   """
-  for cls in _mirrored_strategy_classes():
-    if not isinstance(cls.__dict__.get("_collective_key_base"), _CollectiveKeyBasePerInstance):
-      cls._collective_key_base = _CollectiveKeyBasePerInstance(allocate)  # pylint: disable=protected-access
+  for name in COLLECTIVE_KEY_BASES:
+    patches.install(name, allocate)
+
+
+ALL_REDUCE_SUMMED = "Optimizer._all_reduce_sum_gradients (summed already)"
+ALL_REDUCE_LOCAL = "Optimizer._all_reduce_sum_gradients (local steps)"
+# The method of Keras' TensorFlow optimizers that all-reduces the gradients in `apply`
+# (steps.arguments.ALL_REDUCE_HOOK, the same name: tests/compat/test_patches.py).
+ALL_REDUCE_METHOD = "_all_reduce_sum_gradients"
+
+
+def _wrap_all_reduce(original, replacement: Callable):
+  """A function of its own (``MARK`` goes on it) that calls ``replacement``."""
+  del original
+
+  @functools.wraps(replacement)
+  def all_reduce(*args, **kwargs):
+    return replacement(*args, **kwargs)
+
+  return all_reduce
+
+
+for _name in (ALL_REDUCE_SUMMED, ALL_REDUCE_LOCAL):
+  patches.register(patches.InstancePatch(name=_name, attribute=ALL_REDUCE_METHOD,
+                                         wrap=_wrap_all_reduce))
+del _name
 
 
 def checkpoint_child(obj, name: str):

@@ -26,6 +26,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_adacomp.compat import internals
+from tf_adacomp.compat import patches
 from tf_adacomp.optimizer import ALL_REDUCE_HOOK
 from tf_adacomp.optimizer import CompressedOptimizer
 from tf_adacomp.ops import checks
@@ -199,7 +201,7 @@ class ResIST(keras.callbacks.Callback):
     # Each replica steps on its own gradient: no all-reduce (an instance attribute read
     # when the train step is traced; the train function is remade to trace it).
     self._hooked = optimizer
-    setattr(optimizer, _HOOK, sync.local_gradients)
+    patches.patch_instance(optimizer, internals.ALL_REDUCE_LOCAL, sync.local_gradients)
     model.make_train_function(force=True)
     # A fit that starts mid-way (resumed, or after a partial round) starts a new round.
     iterations = int(optimizer.iterations.numpy())
@@ -221,8 +223,7 @@ class ResIST(keras.callbacks.Callback):
     self._in_round = False
     self._set_inference_gates()
     if self._hooked is not None:
-      if _HOOK in vars(self._hooked):
-        delattr(self._hooked, _HOOK)
+      patches.unpatch_instance(self._hooked, internals.ALL_REDUCE_LOCAL)
       self._hooked = None
     self.model.train_function = None  # a later fit traces the optimizer's own all-reduce
 

@@ -17,7 +17,8 @@ import tensorflow as tf
 
 from tf_adacomp import ema
 from tf_adacomp import replica_steps
-from tf_adacomp.steps.arguments import ALL_REDUCE_HOOK
+from tf_adacomp.compat import internals
+from tf_adacomp.compat import patches
 from tf_adacomp.steps.arguments import BASE_DEFAULTS
 
 
@@ -37,7 +38,7 @@ def build(optimizer, var_list, per_replica, outer_optimizer="average"):
   """
   if not isinstance(outer_optimizer, str):
     outer_optimizer.build(var_list)
-    setattr(outer_optimizer, ALL_REDUCE_HOOK, no_all_reduce)
+    patches.patch_instance(outer_optimizer, internals.ALL_REDUCE_SUMMED, no_all_reduce)
   if per_replica:
     with tf.variable_creator_scope(replica_steps.one_value_per_replica):
       optimizer.build(var_list)
@@ -49,7 +50,7 @@ def build(optimizer, var_list, per_replica, outer_optimizer="average"):
   # Keras' TensorFlow optimizers all-reduce gradients in `apply`. The wrapped one only
   # ever receives gradients already summed over replicas, so that second, dense
   # all-reduce is switched off (an instance attribute: replica threads share it).
-  setattr(optimizer, ALL_REDUCE_HOOK, no_all_reduce)
+  patches.patch_instance(optimizer, internals.ALL_REDUCE_SUMMED, no_all_reduce)
 
 
 def no_all_reduce(grads_and_vars):
