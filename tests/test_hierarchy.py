@@ -15,6 +15,7 @@ import tensorflow as tf
 
 import tf_adacomp
 from adasum_reference import np_adasum
+from tf_adacomp import collective_keys
 from tf_adacomp import hierarchy as hierarchy_lib
 
 DEVICES = [f"/cpu:{i}" for i in range(4)]
@@ -179,18 +180,17 @@ def test_a_bad_saved_devices_per_worker_is_refused_by_name(value, error):
 
 def test_group_keys_stay_clear_of_every_strategys_own():
   # mirrored_strategy's k-th strategy numbers its groups from k * 100,000 + 1, TensorFlow's
-  # own from 1: the hierarchy's keys (its base .. base + workers) must be none of those.
-  from tf_adacomp import distribute  # pylint: disable=g-import-not-at-top
-  assert hierarchy_lib._KEY_BLOCK == distribute._COLLECTIVE_KEY_STEP  # pylint: disable=protected-access
-  assert hierarchy_lib._KEY_BLOCKS == distribute._COLLECTIVE_KEY_RANGES  # pylint: disable=protected-access
+  # own from 1: the hierarchy's keys (its base .. base + workers) must be none of those
+  # (the whole key space: tests/test_collective_keys.py).
+  step = collective_keys.KEY_BLOCK
   for _ in range(3):
-    hierarchy = hierarchy_lib.Hierarchy(hierarchy_lib._MAX_WORKERS, 2)  # pylint: disable=protected-access
+    hierarchy = hierarchy_lib.Hierarchy(collective_keys.MAX_HIERARCHY_WORKERS, 2)
     low = hierarchy._key_base  # pylint: disable=protected-access
     high = low + hierarchy.workers
-    block = low // distribute._COLLECTIVE_KEY_STEP  # pylint: disable=protected-access
-    assert block >= 1 and high // distribute._COLLECTIVE_KEY_STEP == block  # pylint: disable=protected-access
+    block = low // step
+    assert block >= 1 and high // step == block
     # Strategies reach a few hundred keys into their block; these start half-way.
-    assert low - block * distribute._COLLECTIVE_KEY_STEP >= 50_000  # pylint: disable=protected-access
+    assert low - block * step >= 50_000
     assert high < 2**31
 
 

@@ -45,33 +45,21 @@ Replica ``r`` of a strategy with ``devices_per_worker`` devices per worker is de
 it is told how many of them share a host.
 
 The collectives are TensorFlow's ``CollectiveReduceV2`` and ``CollectiveGatherV2``
-with group keys of their own, so that a group of some of the strategy's devices does
-not clash with the strategy's own groups (or with an earlier hierarchy's), and instance
-keys from a counter per group and member that each call advances on the device (the
-n-th collective of a group has the same key on every member: every worker traces the
-same step).
+with group keys of their own (``collective_keys``), so that a group of some of the
+strategy's devices does not clash with the strategy's own groups (or with an earlier
+hierarchy's), and instance keys from a counter per group and member that each call
+advances on the device (the n-th collective of a group has the same key on every
+member: every worker traces the same step).
 """
 
-import itertools
 import threading
 from typing import List, NamedTuple, Optional, Sequence
 
 import tensorflow as tf
 
+from tf_adacomp import collective_keys
 from tf_adacomp import log
 from tf_adacomp.ops import checks
-
-# Group keys of their own. TensorFlow's strategies count theirs up from 1, and
-# distribute.mirrored_strategy gives its k-th strategy the block from k * 100,000
-# (distribute._COLLECTIVE_KEY_STEP, _COLLECTIVE_KEY_RANGES blocks), counting up from
-# there by a few keys: a hierarchy takes the upper half of one such block, where no
-# strategy reaches (a key of two groups of different devices aborts the process'
-# collectives: "joining a group with size 2, but that group has size 3").
-_KEY_BLOCK = 100_000
-_KEY_BLOCKS = 20_000
-_KEY_OFFSET = 50_000
-_MAX_WORKERS = _KEY_BLOCK - _KEY_OFFSET - 1  # keys base .. base + workers
-_hierarchies = itertools.count()
 
 
 class Position(NamedTuple):
@@ -102,10 +90,14 @@ class Hierarchy:
   def __init__(self, workers: int, devices_per_worker: int):
     self.workers = checks.typed_int(workers, "workers", 1)
     self.devices_per_worker = checks.typed_int(devices_per_worker, "devices_per_worker", 1)
-    if self.workers > _MAX_WORKERS:
-      raise ValueError(f"`workers` must be at most {_MAX_WORKERS}. "
+    if self.workers > collective_keys.MAX_HIERARCHY_WORKERS:
+      raise ValueError(f"`workers` must be at most {collective_keys.MAX_HIERARCHY_WORKERS}. "
                        f"Received: workers={workers}")
-    self._key_base = ((next(_hierarchies) % _KEY_BLOCKS + 1) * _KEY_BLOCK + _KEY_OFFSET)
+    # Group keys of its own, in the upper half of a block of collective keys, where no
+    # strategy reaches (collective_keys: the whole key space): a key of two groups of
+    # different devices aborts the process' collectives ("joining a group with size 2,
+    # but that group has size 3").
+    self._key_base = collective_keys.next_hierarchy_key_base()
     self._resources = {}
     self._lock = threading.Lock()  # a MirroredStrategy traces its replicas in threads
 

@@ -18,22 +18,16 @@ Choices of this implementation, none of which changes Q:
 - a tensor whose G is not finite, or whose scale the wire cannot hold, sends nothing
   and keeps R.
 
-Two wire formats sit on this module (docs/wire_format.md): ``ops.adacomp``, one payload
-per tensor, and ``ops.adacomp_bucket``, one payload for several tensors. Both compress
-with ``compress`` and decode with ``decode``; a single tensor is a ``Layout`` of one, and
-the two modules only write and read the words around the codes.
+Two wire formats sit on this module (docs/wire_format.md), the public kernels:
+``ops.adacomp`` (one payload per tensor) and ``ops.adacomp_bucket`` (one for several).
+Both compress with ``compress`` and decode with ``decode``; a single tensor is a
+``Layout`` of one, and the two modules only write and read the words around the codes.
 
-Why a core under two formats rather than a single tensor sent as a bucket of one: the
-per-tensor format is documented, checked against an independent NumPy reference, and is
-what ``AdaComp(fuse=False)`` and the public ``adacomp_compress`` send. As a bucket of one
-it would carry header words that one tensor does not need (the number of tensors, of
-scale words, and a count of its own besides the payload's). What was written twice was the kernel,
-not the format, so the kernel is what is shared: the exchange's default path (buckets)
-and the per-tensor path run the same selection, encoder and decoder, and cannot drift
-apart.
-
-Internal to ``tf_adacomp.ops``: the public kernels are ``ops.adacomp`` and
-``ops.adacomp_bucket``.
+Why not a single tensor as a bucket of one: the per-tensor format (documented, checked
+against an independent NumPy reference, sent by ``AdaComp(fuse=False)`` and
+``adacomp_compress``) needs none of a bucket's header words (tensors, scale words, a
+count besides the payload's). The kernel, not the format, is shared: buckets and single
+tensors run one selection, encoder and decoder, which cannot drift apart.
 """
 
 import dataclasses
