@@ -231,3 +231,21 @@ def test_narrow_summable_plans_are_the_half_precision_ones():
   adacomp = tf_adacomp.AdaComp()
   assert not exchange._narrow_on_the_wire(adacomp, adacomp.plan([8], tf.float32))  # pylint: disable=protected-access
   assert not exchange._narrow_on_the_wire(adacomp, adacomp.plan([8000], tf.float16))  # pylint: disable=protected-access
+
+
+def test_an_exchanges_buckets_are_decided_once_from_the_plans():
+  """``warm_up.buckets``: the compressor's buckets of the present compact gradients, and
+  the warm-up bucket of the narrow summable ones (only with a warm-up), which
+  ``Exchange.compress`` fills and the hierarchy's idle devices rebuild alike."""
+  from tf_adacomp.exchange import warm_up  # pylint: disable=g-import-not-at-top
+  adacomp = tf_adacomp.AdaComp(min_size=100)
+  plans = [adacomp.plan([4000], tf.float32), adacomp.plan([8], tf.float16),
+           adacomp.plan([3000], tf.float32), adacomp.plan([8], tf.float32),
+           adacomp.plan([5000], tf.float32)]
+  grouped = [tuple([0, 2, 4][j] for j in group)
+             for group in adacomp.buckets([plans[i] for i in (0, 2, 4)])]
+  warm_flag = tf.constant(True)
+  assert warm_up.buckets(adacomp, plans, [0, 1, 2, 3, 4], warm_flag) == (grouped, (1,))
+  assert warm_up.buckets(adacomp, plans, [0, 1, 2, 3, 4], None) == (grouped, ())
+  # A gradient that is None this step is in no bucket.
+  assert warm_up.buckets(adacomp, plans, [0, 3], warm_flag) == ([(0,)], ())

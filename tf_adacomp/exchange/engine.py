@@ -17,7 +17,7 @@ from tf_adacomp.exchange.warm_up import _decode
 from tf_adacomp.exchange.warm_up import _dense_bits
 from tf_adacomp.exchange.warm_up import _dense_totals
 from tf_adacomp.exchange.warm_up import _maybe_dense
-from tf_adacomp.exchange.warm_up import _narrow_on_the_wire
+from tf_adacomp.exchange import warm_up
 from tf_adacomp.exchange.wire import Exchanged
 from tf_adacomp.exchange.wire import Incoming
 from tf_adacomp.exchange.wire import Outgoing
@@ -75,18 +75,12 @@ class Exchange:
       An ``Outgoing``.
     """
     summable, gathered, shares, new_states = {}, {}, {}, list(states)
-    compact, warm = [], []
-    for i, (grad, plan, state) in enumerate(zip(grads, plans, states)):
-      if grad is None:
-        continue
-      if not plan.summable:
-        compact.append(i)
-        continue
-      summable[i], new_states[i] = self.compressor.compress(grad, state, plan)
-      if dense is not None and _narrow_on_the_wire(self.compressor, plan):
-        warm.append(i)
-    for group in self.compressor.buckets([plans[i] for i in compact]):
-      bucket = tuple(compact[j] for j in group)
+    present = [i for i, grad in enumerate(grads) if grad is not None]
+    compact, warm = warm_up.buckets(self.compressor, plans, present, dense)
+    for i in present:
+      if plans[i].summable:
+        summable[i], new_states[i] = self.compressor.compress(grads[i], states[i], plans[i])
+    for bucket in compact:
       bucket_grads = [grads[i] for i in bucket]
       bucket_states = [states[i] for i in bucket]
       payload, bucket_new = self.compressor.compress_bucket(
@@ -109,7 +103,7 @@ class Exchange:
       # and the cross-device ops need nothing else). After warm-up one word, unread: a
       # buffer of 0 words would make an empty collective, which the collective kernels
       # do not survive (a segmentation fault in the hierarchy's all-gather).
-      bucket = tuple(warm)
+      bucket = warm
       words = _dense_bits([grads[i] for i in bucket])
       gathered[bucket] = (words, tf.where(dense, int(words.shape[0]), 1))
       shares[bucket] = tf.where(dense, tf.constant([plans[i].dense_nbytes for i in bucket],

@@ -11,7 +11,7 @@ the ``Exchange`` whose compressor, reduction and stages (``compress``, ``decode`
 import tensorflow as tf
 
 from tf_adacomp.compressors import base
-from tf_adacomp.exchange.warm_up import _narrow_on_the_wire
+from tf_adacomp.exchange import warm_up
 from tf_adacomp.exchange.wire import Exchanged
 from tf_adacomp.exchange.wire import Incoming
 from tf_adacomp.exchange.wire import Outgoing
@@ -100,12 +100,9 @@ def _layout(exchange, plans, present, dense) -> Outgoing:
   """The compact buckets ``compress`` makes of the gradients ``present``, with payloads
   of their static widths (zeros): what ``decode`` needs to read rows on a device that
   compressed nothing. Summable gradients are left out, but for the warm-up bucket."""
-  compact = [i for i in present if not plans[i].summable]
-  warm = [i for i in present if dense is not None
-          and _narrow_on_the_wire(exchange.compressor, plans[i])]
+  compact, warm = warm_up.buckets(exchange.compressor, plans, present, dense)
   gathered = {}
-  for group in exchange.compressor.buckets([plans[i] for i in compact]):
-    bucket = tuple(compact[j] for j in group)
+  for bucket in compact:
     bucket_plans = [plans[i] for i in bucket]
     width = exchange.compressor.bucket_width(bucket_plans)
     if dense is not None:  # _maybe_dense: wide enough for the float32 gradients
@@ -113,7 +110,7 @@ def _layout(exchange, plans, present, dense) -> Outgoing:
     gathered[bucket] = (tf.zeros([width], tf.int32), None)
   if warm:
     width = sum(plans[i].num_elements for i in warm)
-    gathered[tuple(warm)] = (tf.zeros([width], tf.int32), None)
+    gathered[warm] = (tf.zeros([width], tf.int32), None)
   return Outgoing({}, gathered, [], {})
 
 

@@ -2,8 +2,9 @@
 
 In a warm-up step (``dense`` true) a compact bucket sends its float32 gradients instead
 of the compressed payload (``_maybe_dense``, ``_dense_bits``), decoded by
-``_dense_totals``; ``_decode`` picks one or the other. ``_narrow_on_the_wire`` tells
-which summable gradients need the warm-up bucket (``Exchange.compress``).
+``_dense_totals``; ``_decode`` picks one or the other. ``buckets`` decides an exchange's
+buckets once, the warm-up bucket included (``_narrow_on_the_wire``: which summable
+gradients need it), for ``Exchange.compress`` and the hierarchy alike.
 """
 
 import tensorflow as tf
@@ -56,11 +57,32 @@ def _dense_totals(rows, plans):
   return sums
 
 
+def buckets(compressor, plans, present, dense):
+  """The buckets of one exchange, decided from the plans alone (``Exchange.compress``
+  fills them; ``hierarchical._layout`` rebuilds their widths on a device that compressed
+  nothing): ``(compact, warm)``, the compressor's buckets of the present compact
+  gradients (tuples of indices into ``plans``) and the warm-up bucket (a tuple, empty
+  without a warm-up or a narrow summable gradient).
+
+  Args:
+    compressor: the exchange's compressor.
+    plans: one plan per gradient.
+    present: the indices of the gradients that are not None.
+    dense: None (no warm-up) or the warm-up flag.
+  """
+  compact = [i for i in present if not plans[i].summable]
+  grouped = [tuple(compact[j] for j in group)
+             for group in compressor.buckets([plans[i] for i in compact])]
+  warm = tuple(i for i in present
+               if dense is not None and _narrow_on_the_wire(compressor, plans[i]))
+  return grouped, warm
+
+
 def _narrow_on_the_wire(compressor, plan) -> bool:
   """Whether a summable ``plan``'s payload is narrower than float32 (a cast compressor's
   ``wire_dtype``, or a half-precision gradient sent as it is): such a gradient needs the
   warm-up bucket to be summed as float32 in a warm-up step. Decided from the plan alone,
-  so that ``compress`` and ``hierarchical._layout`` make the same buckets. An empty
+  as ``buckets`` decides. An empty
   tensor has nothing to sum (and would make a bucket of width 0, too narrow for its one
   word)."""
   if not plan.summable or not plan.num_elements:
