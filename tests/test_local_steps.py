@@ -120,6 +120,9 @@ def test_two_rounds_match_the_numpy_reference(outer):
   assert int(optimizer.iterations.numpy()) == steps
 
 
+# Slow: the local steps of a round run in test_two_rounds_match_the_numpy_reference, which replays
+# every replica's weights.
+@pytest.mark.slow
 def test_mid_round_each_replica_holds_its_own_weights_and_sends_nothing():
   replicas, steps, h = 2, 4, 3
   start, model, strategy = fit(_local_steps(h), replicas, steps)
@@ -359,6 +362,9 @@ def test_a_layer_frozen_mid_round_ends_the_round_on_the_replicas_mean(compressor
                                expected, rtol=1e-5, atol=1e-6)
 
 
+# Slow: Keras' own error, after a fit; the frozen layer's path is
+# test_a_layer_frozen_mid_round_ends_the_round_on_the_replicas_mean's.
+@pytest.mark.slow
 def test_unfreezing_a_layer_the_optimizer_was_not_built_with_is_keras_error_and_changes_nothing():
   replicas, h = 2, 4
   strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES[:replicas])
