@@ -299,6 +299,9 @@ def test_two_functions_reducing_the_same_shape_keep_separate_residues():
     np.testing.assert_array_equal(state[0].numpy(), value)
 
 
+# Slow: warm-up is test_warm_up_steps_are_exact's and CompressionStats under model.fit
+# test_optimizer.py's test_stats_callback_logs_ratios's in the fast tier.
+@pytest.mark.slow
 def test_warm_up_steps_count_the_dense_bytes_they_send():
   """CompressionStats under model.fit: warm-up steps logged bytes_sent 0 and ratio NaN."""
   ops = tf_adacomp.CompressedAllReduce("adacomp", min_size=100, start_step=3)

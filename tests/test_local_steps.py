@@ -322,8 +322,10 @@ def _all_copies(model, strategy):
   return [replica_values(v, strategy) for v in model.weights]
 
 
+# Slow (both): a Keras edge (compile again mid-round) at the cost of two fits; the
+# round's end exchange is test_two_rounds_match_the_numpy_reference's in the fast tier.
 @pytest.mark.parametrize("compressor", [
-    "none", pytest.param("topk", marks=pytest.mark.slow)])  # a compressor: whole suite
+    pytest.param("none", marks=pytest.mark.slow), pytest.param("topk", marks=pytest.mark.slow)])
 def test_a_layer_frozen_mid_round_ends_the_round_on_the_replicas_mean(compressor):
   """``layer.trainable = False`` after step 2 of a round and ``compile`` again with the
   same optimizer, as Keras requires for the change to take effect: at the round's end

@@ -89,7 +89,9 @@ def replicated_fit():
   return strategy, model, list(exchanged)
 
 
-@pytest.mark.parametrize("use_strategy", [False, True])
+# Without a strategy in the fast tier ("none" on two replicas is test_optimizer_updates.py's
+# test_update_exchange_without_compression_is_the_mean_of_local_momentum_steps there).
+@pytest.mark.parametrize("use_strategy", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_no_compression_matches_the_inner_optimizer(use_strategy):
   strategy = _strategy if use_strategy else (lambda: None)
   plain = _fit(_sgd, strategy(), steps=4)

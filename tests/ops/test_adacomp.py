@@ -400,6 +400,9 @@ def test_capacity_keeps_the_lowest_positions(shape, max_density):
   assert_invariant(dense, new_res, grad, residue, dec.scale)
 
 
+# Slow: every max_density=1.0 case above sends all it selects; a capacity that binds is
+# test_capacity_keeps_the_lowest_positions's in the fast tier.
+@pytest.mark.slow
 def test_capacity_not_reached_sends_all():
   rng = np.random.default_rng(6)
   grad = random_array([1000], np.float32, rng)
@@ -834,7 +837,8 @@ PER_BIN_SHAPE = [64, 33]  # 2,112 elements: 43 bins of 50, the last of 12
 @pytest.mark.parametrize("shape,bin_size,grad_dtype,max_density", [
     (PER_BIN_SHAPE, 50, "float32", 1.0),
     ([3, 3, 16, 32], 50, "float32", 0.05),   # the cap holds some back
-    ([51], 50, "bfloat16", 1.0),              # a short last bin, odd number of bins
+    # a short last bin, odd number of bins (slow: bfloat16 is test_matches_reference_dtypes's)
+    tiers.slow([51], 50, "bfloat16", 1.0),
     pytest.param([7, 9], 1, "float16", 1.0,   # one element per bin
                  marks=pytest.mark.slow),
     pytest.param([3, 4, 5], 500, "float64", 1.0,  # one bin, float64 compute
