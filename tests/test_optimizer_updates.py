@@ -262,8 +262,9 @@ _INNER = {"sgd": lambda **kw: keras.optimizers.SGD(LR, momentum=MOMENTUM, **kw),
           "adam": lambda **kw: keras.optimizers.Adam(0.01, **kw)}
 
 
-# The fast tier: the update exchange with a clipnorm (one replica's gradient exchange on an
-# embedding is tests/conformance/test_oracle.py's test_one_replica_is_keras_bit_for_bit there).
+# The fast tier: the update exchange with a clipnorm (one replica's gradient exchange is
+# tests/conformance/test_oracle.py's test_one_replica_is_keras_bit_for_bit[inner=adamw,
+# exchange=gradients,...] there, one replica on an embedding its [...,model=embedding]).
 @pytest.mark.parametrize("exchange,inner,clipnorm", [
     tiers.slow("gradients", "adam", None), ("updates", "sgd", 0.5),
     pytest.param("updates", "sgd", None, marks=pytest.mark.slow),
