@@ -129,6 +129,9 @@ def test_reads_a_backup_of_keras_own_callback(tmp_path):
   assert starts == [5]
 
 
+# Slow: the fallback is test_a_torn_metadata_file_falls_back_to_the_previous_backup's (by hand) in
+# the fast tier; this one after two fits.
+@pytest.mark.slow
 def test_the_previous_backup_is_used_when_the_latest_cannot_be_read(tmp_path):
   model = _model()
   with pytest.raises(_Stop):

@@ -212,10 +212,12 @@ def _per_replica(strategy, fn):
       lambda ctx: fn(ctx.replica_id_in_sync_group))
 
 
-# Pairwise: each reduction and each mode (eager, in a function) in the fast tier; the
-# other two pairs of the grid with --full.
+# Pairwise with --full: each reduction and each mode (eager, in a function); the fast
+# tier one pair (the placement is ReductionToOneDevice's in either mode; MEAN, the
+# division, is test_custom_loop_all_reduce_of_floats_ints_and_indexed_slices's).
 @pytest.mark.parametrize("reduce_op, in_function", [
-    (tf.distribute.ReduceOp.SUM, False), (tf.distribute.ReduceOp.MEAN, True),
+    (tf.distribute.ReduceOp.SUM, False),
+    pytest.param(tf.distribute.ReduceOp.MEAN, True, marks=pytest.mark.slow),
     pytest.param(tf.distribute.ReduceOp.SUM, True, marks=pytest.mark.slow),
     pytest.param(tf.distribute.ReduceOp.MEAN, False, marks=pytest.mark.slow)])
 def test_results_live_on_each_destination_device(in_function, reduce_op):
@@ -297,6 +299,9 @@ def test_two_functions_reducing_the_same_shape_keep_separate_residues():
     np.testing.assert_array_equal(state[0].numpy(), value)
 
 
+# Slow: warm-up is test_warm_up_steps_are_exact's and CompressionStats under model.fit
+# test_optimizer.py's test_stats_callback_logs_ratios's in the fast tier.
+@pytest.mark.slow
 def test_warm_up_steps_count_the_dense_bytes_they_send():
   """CompressionStats under model.fit: warm-up steps logged bytes_sent 0 and ratio NaN."""
   ops = tf_adacomp.CompressedAllReduce("adacomp", min_size=100, start_step=3)

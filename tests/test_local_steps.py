@@ -120,6 +120,9 @@ def test_two_rounds_match_the_numpy_reference(outer):
   assert int(optimizer.iterations.numpy()) == steps
 
 
+# Slow: the local steps of a round run in test_two_rounds_match_the_numpy_reference, which replays
+# every replica's weights.
+@pytest.mark.slow
 def test_mid_round_each_replica_holds_its_own_weights_and_sends_nothing():
   replicas, steps, h = 2, 4, 3
   start, model, strategy = fit(_local_steps(h), replicas, steps)
@@ -319,8 +322,10 @@ def _all_copies(model, strategy):
   return [replica_values(v, strategy) for v in model.weights]
 
 
+# Slow (both): a Keras edge (compile again mid-round) at the cost of two fits; the
+# round's end exchange is test_two_rounds_match_the_numpy_reference's in the fast tier.
 @pytest.mark.parametrize("compressor", [
-    "none", pytest.param("topk", marks=pytest.mark.slow)])  # a compressor: whole suite
+    pytest.param("none", marks=pytest.mark.slow), pytest.param("topk", marks=pytest.mark.slow)])
 def test_a_layer_frozen_mid_round_ends_the_round_on_the_replicas_mean(compressor):
   """``layer.trainable = False`` after step 2 of a round and ``compile`` again with the
   same optimizer, as Keras requires for the change to take effect: at the round's end
@@ -359,6 +364,9 @@ def test_a_layer_frozen_mid_round_ends_the_round_on_the_replicas_mean(compressor
                                expected, rtol=1e-5, atol=1e-6)
 
 
+# Slow: Keras' own error, after a fit; the frozen layer's path is
+# test_a_layer_frozen_mid_round_ends_the_round_on_the_replicas_mean's.
+@pytest.mark.slow
 def test_unfreezing_a_layer_the_optimizer_was_not_built_with_is_keras_error_and_changes_nothing():
   replicas, h = 2, 4
   strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES[:replicas])

@@ -89,7 +89,9 @@ def replicated_fit():
   return strategy, model, list(exchanged)
 
 
-@pytest.mark.parametrize("use_strategy", [False, True])
+# Without a strategy in the fast tier ("none" on two replicas is test_optimizer_updates.py's
+# test_update_exchange_without_compression_is_the_mean_of_local_momentum_steps there).
+@pytest.mark.parametrize("use_strategy", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_no_compression_matches_the_inner_optimizer(use_strategy):
   strategy = _strategy if use_strategy else (lambda: None)
   plain = _fit(_sgd, strategy(), steps=4)
@@ -142,6 +144,10 @@ def test_residues_survive_model_save_and_checkpoint(tmp_path):
     np.testing.assert_array_equal(a[0], b[0])
 
 
+# Slow: a non-finite step on one replica changes nothing: test_optimizer_updates.py's
+# test_update_exchange_skips_a_step_with_a_non_finite_gradient_on_one_replica and
+# test_shared_moment.py's in the fast tier.
+@pytest.mark.slow
 def test_a_non_finite_step_changes_neither_residues_nor_weights(replicated_fit):
   strategy, model, _ = replicated_fit
   (x, y), _ = digits_data.flat()
@@ -232,6 +238,9 @@ def test_only_compressed_payloads_are_exchanged(replicated_fit, monkeypatch):
   assert tensors and set(tensors) == {("reduce", tf.float32, tf.TensorShape([weights]))}
 
 
+# Slow: warm-up: test_cross_device_ops.py's test_warm_up_steps_are_exact and the oracle's
+# start_step=2 rows in the fast tier.
+@pytest.mark.slow
 def test_warm_up_sends_dense_then_compresses():
   strategy = _strategy()
   (x, y), _ = digits_data.flat()

@@ -191,7 +191,8 @@ def _compile_lines(caplog):
   return [r.getMessage() for r in caplog.records if "XLA programs" in r.getMessage()]
 
 
-@pytest.mark.parametrize("in_function", [False, True])
+# Eagerly in the fast tier (the same log line from a tf.function with --full).
+@pytest.mark.parametrize("in_function", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_the_first_compressed_step_logs_its_xla_compilation(in_function, caplog):
   # A shape and density no other test uses: their kernels are new to the process.
   variable = keras.Variable(np.ones([7, 13 + in_function], np.float32))

@@ -10,6 +10,7 @@ import tensorflow as tf
 import tf_adacomp
 from tf_adacomp.compat import loss_scale
 from tf_adacomp.compat import patches
+import tiers
 
 DEVICES = ["/cpu:0", "/cpu:1"]
 EXCHANGES = ("updates", "gradients")
@@ -154,6 +155,9 @@ def test_an_overflow_on_one_replica_lowers_the_scale_and_skips_the_step_on_every
   assert any(not np.array_equal(after[n][0], last[n][0]) for n in weights)
 
 
+# Slow: the same skip through model.fit; the fast tier checks it step by step in
+# test_an_overflow_on_one_replica_lowers_the_scale_and_skips_the_step_on_every_replica[updates-1].
+@pytest.mark.slow
 def test_model_fit_under_mixed_float16_skips_a_batch_that_overflows_on_replica_1_only(
     mixed_float16):
   strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES)
@@ -182,7 +186,9 @@ def test_model_fit_under_mixed_float16_skips_a_batch_that_overflows_on_replica_1
   assert any(not np.array_equal(a, b) for a, b in zip(weights, model.get_weights()))
 
 
-@pytest.mark.parametrize("exchange", EXCHANGES)
+# "updates" in the fast tier: the loss scale's skip comes before either exchange
+# ("gradients" with --full).
+@pytest.mark.parametrize("exchange", [EXCHANGES[0], tiers.slow(EXCHANGES[1])])
 def test_without_a_strategy_an_overflow_lowers_the_scale_and_skips_the_step(
     mixed_float16, exchange):
   model = _model()

@@ -20,6 +20,7 @@ from replica_harness import (DEVICES, PER_REPLICA, assert_replicas_hold, data, f
 from tf_adacomp import optimizer as optimizer_module
 from tf_adacomp.steps import momentum_masking as masking_module
 from tf_adacomp import replica_steps
+import tiers
 
 LR, MOMENTUM = 0.05, 0.9
 # A large epsilon: Adam's first step is +-learning_rate on every element otherwise, and
@@ -182,7 +183,9 @@ def test_update_exchange_compresses_local_updates_with_error_feedback(inner, mas
         assert np.sum(copies[r] == 0) >= math.ceil(density * copies[r].size)
 
 
-@pytest.mark.parametrize("exchange", ["gradients", "updates"])
+# "gradients" in the fast tier: the clipping happens before either exchange (updates
+# with --full).
+@pytest.mark.parametrize("exchange", ["gradients", tiers.slow("updates")])
 def test_local_clipnorm_clips_each_replicas_own_gradient(exchange):
   replicas, steps, clipnorm = 2, 2, 4.0
   start, model, strategy = fit(lambda: tf_adacomp.CompressedOptimizer(
@@ -259,8 +262,11 @@ _INNER = {"sgd": lambda **kw: keras.optimizers.SGD(LR, momentum=MOMENTUM, **kw),
           "adam": lambda **kw: keras.optimizers.Adam(0.01, **kw)}
 
 
+# The fast tier: the update exchange with a clipnorm (one replica's gradient exchange is
+# tests/conformance/test_oracle.py's test_one_replica_is_keras_bit_for_bit[inner=adamw,
+# exchange=gradients,...] there, one replica on an embedding its [...,model=embedding]).
 @pytest.mark.parametrize("exchange,inner,clipnorm", [
-    ("gradients", "adam", None), ("updates", "sgd", 0.5),
+    tiers.slow("gradients", "adam", None), ("updates", "sgd", 0.5),
     pytest.param("updates", "sgd", None, marks=pytest.mark.slow),
     pytest.param("gradients", "sgd", None, marks=pytest.mark.slow),
     pytest.param("updates", "adam", None, marks=pytest.mark.slow),
@@ -291,6 +297,9 @@ def test_gradient_exchange_of_an_embedding_is_keras_on_two_replicas():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)
 
 
+# Slow: the same exchange as test_gradient_exchange_of_an_embedding_is_keras_on_two_replicas;
+# mixed float16 is test_optimizer_mixed_precision.py's in the fast tier.
+@pytest.mark.slow
 def test_gradient_exchange_of_an_embedding_under_mixed_float16_is_keras():
   """LossScaleOptimizer's unscaled IndexedSlices have no static shape: the gradient
   exchange takes them (a TypeError in the joined all-reduce before), and one replica is
@@ -324,6 +333,10 @@ def test_update_exchange_skips_a_step_with_a_non_finite_gradient_on_one_replica(
     assert not any(np.any(c) for c in replica_values(slot, strategy))
 
 
+# Slow: one replica, update exchange:
+# test_one_replica_on_an_embedding_is_the_inner_optimizer_bit_for_bit[updates-sgd-0.5] in the fast
+# tier.
+@pytest.mark.slow
 def test_one_replica_update_exchange_is_the_plain_optimizer():
   x, y = data(1, 3)
   results = []

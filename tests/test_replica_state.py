@@ -82,9 +82,11 @@ def _check_resumed(loaded, saved, straight, fmt, x, y):
     np.testing.assert_allclose(found, expected, rtol=0, atol=ATOL)
 
 
-# The fast tier: two formats, each moment once (two of the six); --full all.
+# The fast tier: the .keras file with the global moment (one of the six; a checkpoint's
+# copies are test_a_checkpoint_keeps_copies_of_the_per_replica_state_only's and
+# test_a_keras3_load_onto_another_replica_count_gives_every_replica_the_mean's); --full all.
 @pytest.mark.parametrize("fmt, second_moment", [
-    ("checkpoint", "local"), ("keras", "global"),
+    pytest.param("checkpoint", "local", marks=pytest.mark.slow), ("keras", "global"),
     pytest.param("checkpoint", "global", marks=pytest.mark.slow),
     pytest.param("deferred", "local", marks=pytest.mark.slow),
     pytest.param("deferred", "global", marks=pytest.mark.slow),

@@ -455,6 +455,9 @@ def test_an_embeddings_shared_moment_is_keras_on_the_global_batch(mode):
                              np.asarray(keras_v[0].numpy()), rtol=2e-2, atol=1e-12)
 
 
+# Slow: the embedding's IndexedSlices path is test_one_replica_on_an_embedding_is_keras_adam's
+# in the fast tier.
+@pytest.mark.slow
 def test_one_replica_on_repeated_tokens_is_keras_adam_bit_for_bit():
   # Repeated tokens put their summed gradient in m but only the sum of their squares in
   # v, so |m| / sqrt(v) can exceed Adam's bound on a dense step; with the moment fresh
@@ -466,6 +469,9 @@ def test_one_replica_on_repeated_tokens_is_keras_adam_bit_for_bit():
     np.testing.assert_array_equal(a, b)
 
 
+# Slow: local_clipnorm on an embedding: test_optimizer_updates.py's
+# test_local_clipnorm_is_keras_global_clipnorm_bit_for_bit[slices] in the fast tier.
+@pytest.mark.slow
 def test_one_replica_local_clipnorm_on_an_embedding_is_keras_global_clipnorm():
   # Keras' global_clipnorm takes the norm of the slices and hands Adam the clipped
   # gradient dense: v gets the square of the clipped, summed rows (the slices' squares
@@ -478,7 +484,10 @@ def test_one_replica_local_clipnorm_on_an_embedding_is_keras_global_clipnorm():
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("mode", [pytest.param("shared", marks=pytest.mark.slow), "global"])
+# Slow (both modes): precondition="after" trains in the fast tier in
+# tests/conformance/test_oracle.py's row "inner=adam,second_moment=global,precondition=after".
+@pytest.mark.parametrize("mode", [pytest.param("shared", marks=pytest.mark.slow),
+                                  pytest.param("global", marks=pytest.mark.slow)])
 def test_precondition_after_is_before_without_compression(mode):
   # 2 replicas, 8 steps (averages at 1, 2, 4, 8): between averages both bound each
   # replica's step, so without compression they differ by float rounding only.

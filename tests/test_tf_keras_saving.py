@@ -117,8 +117,11 @@ RUNS = {
     # An .h5 file keeps each replica's own slots as their mean: SGD's momentum is linear
     # in the slot, so the replicas' mean update is the same (Adam's is not).
     "2-replicas-sgd-dense": (2, "sgd", 100, 1e-6)}
-# The fast tier: two of the six, each run once; --full all.
-FAST_RUNS = {("keras", "2-replicas-sgd-dense"), ("weights", "1-replica-adam-adacomp")}
+# The fast tier: none of the six (a .keras resume on two replicas is tests/
+# test_replica_state.py's test_a_tf_keras_resume_on_as_many_replicas_is_the_uninterrupted_run,
+# the .weights.h5 format is test_weights_loaded_before_build_reach_every_replica_when_it_builds
+# _in_a_replica's); --full all.
+FAST_RUNS = set()
 
 
 # "weights": save_weights to a .weights.h5 file, load_weights into a new model, whose
@@ -161,6 +164,9 @@ def test_a_saved_model_is_refused_naming_what_its_loader_would_drop(saved_on, tm
     np.testing.assert_array_equal(found, expected)
 
 
+# Slow: the .h5 format is test_a_saved_file_restores_the_optimizer_state_with_and_without_a
+# _strategy's in the fast tier; this one is the same path for a second state per variable.
+@pytest.mark.slow
 def test_an_h5_file_keeps_both_states_of_the_fft_compressor(tmp_path):
   # Two states per variable (residue, step counter): the file keys them by name.
   model = _mlp(_strategy(None), "sgd", compressor="fft")

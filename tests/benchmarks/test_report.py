@@ -8,9 +8,12 @@ import benchmark_scripts  # noqa: F401  (benchmarks/ on sys.path)
 import report
 from tf_adacomp import ops
 from tf_adacomp import stats
+import tiers
 
 
-@pytest.mark.parametrize("shape,bin_size", [([3, 3, 16, 32], 50), ([300, 100], 500), ([7], 50)])
+# The fast tier: [7] (the same count for every shape); the others with --full.
+@pytest.mark.parametrize("shape,bin_size", [tiers.slow([3, 3, 16, 32], 50),
+                                            tiers.slow([300, 100], 500), ([7], 50)])
 def test_elements_sent_matches_the_payload_count(shape, bin_size):
   rng = np.random.default_rng(0)
   grad = tf.constant(rng.standard_normal(shape).astype(np.float32))

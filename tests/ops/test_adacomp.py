@@ -161,15 +161,19 @@ SHAPES = [[], [1], [7], [50], [51], [3, 4, 5], [64, 33], [3, 3, 16, 32], [1000],
 BIN_SIZES = [1, 7, 50, 500]
 
 
-def _pairwise(rows, columns):
+def _pairwise(rows, columns, fast_rows=None):
   """Every (row, column) pair; the fast tier keeps one column per row, the columns in
-  turn (each compiled program costs about a second), the whole suite all of them."""
+  turn (each compiled program costs about a second), and only the rows in ``fast_rows``
+  (indices; all if None); the whole suite all of them."""
   return [pytest.param(row, column, id=f"{row}-{column}",
-                       marks=() if (i + j) % len(columns) == 0 else pytest.mark.slow)
+                       marks=() if (i + j) % len(columns) == 0 and
+                       (fast_rows is None or i in fast_rows) else pytest.mark.slow)
           for i, row in enumerate(rows) for j, column in enumerate(columns)]
 
 
-@pytest.mark.parametrize("shape,bin_size", _pairwise(SHAPES, BIN_SIZES))
+# Fast tier: one shape per rank class, [] (a scalar), [7] (rank 1, a short last bin),
+# [64, 33] (rank 2), [0] (empty); the other shapes (the same flattened kernel) with --full.
+@pytest.mark.parametrize("shape,bin_size", _pairwise(SHAPES, BIN_SIZES, fast_rows={0, 2, 6, 9}))
 def test_matches_reference_float32(shape, bin_size):
   rng = np.random.default_rng(1000 + len(shape) * 100 + bin_size + int(np.prod(shape)))
   grad = random_array(shape, np.float32, rng)
@@ -190,7 +194,10 @@ DTYPE_PAIRS = [
 ]
 
 
-@pytest.mark.parametrize("dtypes,shape", _pairwise(DTYPE_PAIRS, [[3, 4, 5], [1000]]))
+# Fast tier: each dtype once, as the gradient's or the residue's: (bfloat16, float32),
+# (float16, float16) and (float64, float64) (float64 compute); the other pairs with --full.
+@pytest.mark.parametrize("dtypes,shape", _pairwise(DTYPE_PAIRS, [[3, 4, 5], [1000]],
+                                                   fast_rows={1, 4, 6}))
 def test_matches_reference_dtypes(dtypes, shape):
   grad_dtype, residue_dtype = dtypes
   rng = np.random.default_rng(zlib.crc32(f"{grad_dtype}-{residue_dtype}-{shape}".encode()))
@@ -204,7 +211,8 @@ def test_matches_reference_dtypes(dtypes, shape):
   check_against_reference(grad, residue, 50)
 
 
-@pytest.mark.parametrize("grad_dtype", ["float16", "bfloat16"])
+# float16 in the fast tier (bfloat16, the same cast, with --full).
+@pytest.mark.parametrize("grad_dtype", ["float16", tiers.slow("bfloat16")])
 def test_decode_in_low_precision_dtype(grad_dtype):
   """Decoding into the grad's own dtype gives +-scale rounded to that dtype."""
   rng = np.random.default_rng(7)
@@ -219,6 +227,8 @@ def test_decode_in_low_precision_dtype(grad_dtype):
   np.testing.assert_array_equal(as_f32(dense.numpy()).reshape(-1), want)
 
 
+# Slow: every reference check bounds the scale already; this one at 50,000 elements.
+@pytest.mark.slow
 def test_large_tensor_many_bins_scale():
   """A 1000-bin mean: scale within 1 ulp of the exact mean."""
   rng = np.random.default_rng(11)
@@ -229,8 +239,9 @@ def test_large_tensor_many_bins_scale():
 # ------------------------------------------------------------------------ 2. edge cases
 
 
-@pytest.mark.parametrize("shape,bin_size", [([7], 7), ([50], 7), ([51], 50), ([64, 33], 500)],
-                         ids=str)
+# Fast tier: the programs the shapes [7] and [50] share; the larger bins with --full.
+@pytest.mark.parametrize("shape,bin_size", tiers.fast_only(
+    [([7], 7), ([50], 7), ([51], 50), ([64, 33], 500)], keep={0, 1}), ids=str)
 def test_all_equal_elements_are_all_sent(shape, bin_size):
   grad = np.full(shape, 0.375, np.float32)
   residue = np.zeros(shape, np.float32)
@@ -335,13 +346,15 @@ def assert_invariant(dense, new_residue, grad, residue, scale):
   np.testing.assert_array_less(np.abs(lhs - rhs), 2 * eps * mag + 1e-30)
 
 
-@pytest.mark.parametrize("shape,bin_size,grad_dtype,max_density", [
+# Fast tier: float32 (the dtypes are test_matches_reference_dtypes's); larger bins,
+# bfloat16, float16 and a capacity (tested on its own below) with --full.
+@pytest.mark.parametrize("shape,bin_size,grad_dtype,max_density", tiers.fast_only([
     ([64, 33], 50, "float32", 1.0),
     ([1000], 500, "float32", 1.0),
     ([3, 4, 5], 7, "bfloat16", 1.0),
     ([1000], 50, "float16", 1.0),
     ([64, 33], 50, "float32", 0.02),
-], ids=str)
+], keep={0}), ids=str)
 def test_error_feedback_over_steps(shape, bin_size, grad_dtype, max_density):
   rng = np.random.default_rng(42)
   residue = np.zeros(shape, np.float32)
@@ -357,10 +370,11 @@ def test_error_feedback_over_steps(shape, bin_size, grad_dtype, max_density):
 
 
 @pytest.mark.parametrize("shape,max_density", [
-    ([50], 0.3),         # B = 2
+    # Fast tier: a capacity of 10 codes of 1,000; the others with --full.
+    tiers.slow([50], 0.3),         # B = 2
     ([1000], 0.01),      # B = 32, C = 10
-    ([1000], 0.25),
-    ([64, 33], 0.1),     # n = 2112, B = 66
+    tiers.slow([1000], 0.25),
+    tiers.slow([64, 33], 0.1),     # n = 2112, B = 66
     pytest.param([3, 3, 16, 32], 0.05, marks=pytest.mark.slow),  # n = 4608, B = 144
 ], ids=str)
 def test_capacity_keeps_the_lowest_positions(shape, max_density):
@@ -386,6 +400,9 @@ def test_capacity_keeps_the_lowest_positions(shape, max_density):
   assert_invariant(dense, new_res, grad, residue, dec.scale)
 
 
+# Slow: every max_density=1.0 case above sends all it selects; a capacity that binds is
+# test_capacity_keeps_the_lowest_positions's in the fast tier.
+@pytest.mark.slow
 def test_capacity_not_reached_sends_all():
   rng = np.random.default_rng(6)
   grad = random_array([1000], np.float32, rng)
@@ -433,9 +450,10 @@ def test_nbytes_rank2_per_row():
 # ---------------------------------------------------------- 6. eager / graph / XLA wrapper
 
 
+# float32 in the fast tier (bfloat16 with a capacity, the same three paths, with --full).
 @pytest.mark.parametrize("shape,bin_size,max_density,grad_dtype", [
     ([64, 33], 50, 1.0, "float32"),
-    ([1000], 7, 0.05, "bfloat16"),
+    tiers.slow([1000], 7, 0.05, "bfloat16"),
 ], ids=str)
 def test_eager_function_and_jit_agree(shape, bin_size, max_density, grad_dtype):
   rng = np.random.default_rng(9)
@@ -503,6 +521,9 @@ def test_gathered_decode_three_replicas(trim):
   np.testing.assert_array_equal(out1.reshape(-1), (singles[0] + singles[1]) + singles[2])
 
 
+# Slow: the gathered decode is test_gathered_decode_three_replicas's in the fast tier; this
+# one checks its rounding over row orders.
+@pytest.mark.slow
 def test_gathered_decode_row_order_matters_only_by_rounding():
   """Rows in another order: same values to rounding, and each order reproduces exactly
   its own sequential float32 sum."""
@@ -518,6 +539,8 @@ def test_gathered_decode_row_order_matters_only_by_rounding():
     np.testing.assert_array_equal(out, acc)
 
 
+# Slow: the gathered decode path of test_gathered_decode_three_replicas (fast), with one row.
+@pytest.mark.slow
 def test_gathered_single_row_matches_rank1():
   rng = np.random.default_rng(13)
   grad = random_array([3, 4, 5], np.float32, rng)
@@ -563,6 +586,8 @@ def test_nonfinite_input(kind):
   assert not r.finite and r.count == 0
 
 
+# Slow: test_nonfinite_input's path (fast) with a float16 gradient.
+@pytest.mark.slow
 def test_nonfinite_float16_grad():
   grad = np.array([1.0, np.inf, 2.0], np.float16)
   residue = np.array([0.5, 0.25, -1.0], np.float32)
@@ -812,7 +837,8 @@ PER_BIN_SHAPE = [64, 33]  # 2,112 elements: 43 bins of 50, the last of 12
 @pytest.mark.parametrize("shape,bin_size,grad_dtype,max_density", [
     (PER_BIN_SHAPE, 50, "float32", 1.0),
     ([3, 3, 16, 32], 50, "float32", 0.05),   # the cap holds some back
-    ([51], 50, "bfloat16", 1.0),              # a short last bin, odd number of bins
+    # a short last bin, odd number of bins (slow: bfloat16 is test_matches_reference_dtypes's)
+    tiers.slow([51], 50, "bfloat16", 1.0),
     pytest.param([7, 9], 1, "float16", 1.0,   # one element per bin
                  marks=pytest.mark.slow),
     pytest.param([3, 4, 5], 500, "float64", 1.0,  # one bin, float64 compute
@@ -911,6 +937,9 @@ def test_per_bin_gathered_decode_sums_rows_in_order():
   np.testing.assert_array_equal(out.numpy().reshape(-1), want)
 
 
+# Slow: the kernels are XLA-compiled in every mode; test_eager_function_and_jit_agree
+# checks the eager, graph and jit paths in the fast tier.
+@pytest.mark.slow
 def test_per_bin_eager_and_function_agree():
   rng = np.random.default_rng(46)
   grad = tf.constant(random_array(PER_BIN_SHAPE, np.float32, rng))

@@ -17,6 +17,7 @@ from tf_adacomp.ops import fft_compress
 from tf_adacomp.ops import fft_decompress
 from tf_adacomp.ops import fft_payload_nbytes
 from tf_adacomp.ops import fft_payload_words
+import tiers
 
 HEADER = 3
 NONFINITE = -2**31
@@ -87,9 +88,12 @@ def run(grad, residue, theta, e=4, m=3, **kwargs):
 # ---------------------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize("shape,theta,e,m", [
+# The fast tier: rank 2, the float32-like format (8, 23) and one element; the other
+# formats and shapes (the same kernel; theta 0 is test_theta_zero_loses_only_the_rounding's)
+# with --full.
+@pytest.mark.parametrize("shape,theta,e,m", tiers.fast_only([
     ([64, 33], 0.9, 4, 3), ([1001], 0.75, 3, 4), ([8, 8], 0.0, 5, 10), ([7], 0.5, 4, 3),
-    ([2], 0.9, 8, 23), ([1], 0.3, 4, 3)])
+    ([2], 0.9, 8, 23), ([1], 0.3, 4, 3)], keep={0, 4, 5}))
 def test_compress_matches_numpy(shape, theta, e, m):
   rng = np.random.default_rng(sum(shape))
   grad = rng.standard_normal(shape).astype(np.float32)
@@ -158,8 +162,10 @@ def test_decode_of_several_replicas_is_the_sum_in_replica_order():
   np.testing.assert_array_equal(fft_decompress(trimmed, shape, theta).numpy(), total)
 
 
-@pytest.mark.parametrize("n,theta,e,m", [(512 * 3, 0.9, 4, 3), (100, 0.5, 3, 4), (1, 0.9, 4, 3),
-                                         (5000, 0.99, 8, 23)])
+# The fast tier: several words and one element; the others with --full.
+@pytest.mark.parametrize("n,theta,e,m", tiers.fast_only(
+    [(512 * 3, 0.9, 4, 3), (100, 0.5, 3, 4), (1, 0.9, 4, 3), (5000, 0.99, 8, 23)],
+    keep={0, 2}))
 def test_bytes_are_header_and_used_words_and_fewer_than_dense(n, theta, e, m):
   grad = np.random.default_rng(n).standard_normal(n).astype(np.float32)
   payload, _ = run(grad, np.zeros_like(grad), theta, e, m)
