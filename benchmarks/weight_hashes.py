@@ -267,6 +267,8 @@ CONFIGURATIONS = {
     "fp16": lambda: keras_run(compressed(sgd_momentum, compressor="fp16")),
     "tfk_sgd_updates": lambda: tf_keras_run(
         lambda: tf_keras.optimizers.SGD(0.1, momentum=0.9)),
+    "tfk_adam_updates_clip": lambda: tf_keras_run(
+        lambda: tf_keras.optimizers.Adam(1e-3), local_clipnorm=0.5),
     "tfk_adam_gradients": lambda: tf_keras_run(
         lambda: tf_keras.optimizers.Adam(1e-3), exchange="gradients"),
     "tfk_legacy_sgd": lambda: tf_keras_run(
