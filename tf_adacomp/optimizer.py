@@ -252,10 +252,10 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
     if self.second_moment in ("shared", "global"):
       return shared_adam.SharedMoment(
           guard, inner, self.second_moment, self.precondition, self.second_moment_interval,
-          self.local_clipnorm, self.shared_velocities, self.moment_synced_at,
+          self.shared_velocities, self.moment_synced_at,
           getattr(self, "momentum_squares", None))
     if self.exchange == "gradients":
-      step = gradients_step.GradientExchange(guard, inner, self.local_clipnorm)
+      step = gradients_step.GradientExchange(guard, inner)
     elif self.local_steps > 1:
       step = local_rounds.LocalRounds(guard, inner, self.local_steps, self.anchors,
                                       self._trainable_variables, self.outer_optimizer)

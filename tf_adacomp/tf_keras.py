@@ -129,6 +129,16 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.ByteCounts,
     ValueError: an argument out of its range, named with the value received.
   """
 
+  # The base class's settings are the inner optimizer's, read and written through.
+  weight_decay = inner_lib.InnerSetting()
+  clipnorm = inner_lib.InnerSetting()
+  clipvalue = inner_lib.InnerSetting()
+  global_clipnorm = inner_lib.InnerSetting()
+  use_ema = inner_lib.InnerSetting()
+  ema_momentum = inner_lib.InnerSetting()
+  ema_overwrite_frequency = inner_lib.InnerSetting()
+  jit_compile = inner_lib.InnerSetting()
+
   @_keywords.suggest_keywords
   def __init__(self, inner_optimizer, compressor="adacomp", start_step=0, reduction="sum",
                exchange=None, local_clipnorm=None, hierarchical=None,
@@ -164,8 +174,11 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.ByteCounts,
     local_clipnorm = checks.positive_number(local_clipnorm, "local_clipnorm", optional=True)
     hierarchical = hierarchy_lib.check_hierarchical(hierarchical)
     devices_per_worker = hierarchy_lib.check_devices_per_worker(devices_per_worker)
-    # Not Optimizer.__init__: it would make an `iterations` of the wrapper's own, and
-    # every base setting (clipping, weight decay, EMA) is the inner optimizer's.
+    # Not Optimizer.__init__ (as tf_keras' own LossScaleOptimizerV3): it would make an
+    # `iterations` of the wrapper's own, a checkpoint dependency that the inner
+    # optimizer's files do not have, and write the base settings, which are the inner
+    # optimizer's (the `InnerSetting`s above). The rest of what it sets is set here; a canary
+    # (tests/compat/test_internals.py) names any attribute a release adds to it.
     self.name = name
     self._variables = self._no_dependency([])
     self._mesh = None
@@ -230,7 +243,7 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.ByteCounts,
     inner = inner_lib.TfKerasInner(self.inner_optimizer, self.local_clipnorm)
     self._step = self._no_dependency(
         updates_step.UpdateExchange(guard, inner) if self.exchange == "updates"
-        else gradients_step.GradientExchange(guard, inner, self.local_clipnorm))
+        else gradients_step.GradientExchange(guard, inner))
     self._built = True
     pending, self._pending_state = self._pending_state, None
     if pending is not None:

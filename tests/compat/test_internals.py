@@ -702,12 +702,36 @@ def test_keras_saveable_is_what_keras_files_save():
 TF_KERAS_WRAPPER = "tf_adacomp.tf_keras.CompressedOptimizer"
 
 
+# What tf_keras' Optimizer.__init__ sets, which the wrapper's __init__ (it skips the
+# base class's) must account for: set by hand, forwarded to the inner optimizer, or not
+# needed (its own `iterations` and the builders of sharded slots the wrapper never makes).
+_SET_BY_HAND = {"name", "_variables", "_mesh", "_run_with_dtensor", "_distribution_strategy"}
+_FORWARDED = {"weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "use_ema",
+              "ema_momentum", "ema_overwrite_frequency", "jit_compile"}
+_NOT_NEEDED = {"_iterations", "_sharded_variable_builders"}
+
+
 def test_tf_keras_optimizer_init_sets_the_names_the_wrapper_sets_instead():
   import tf_keras  # pylint: disable=import-outside-toplevel
+  from tf_adacomp import tf_keras as wrapper_lib  # pylint: disable=import-outside-toplevel
+
+  class Bare(tf_keras.optimizers.Optimizer):
+    def __init__(self):
+      super().__init__(name="bare")
+
+  set_by_init = {a for a in vars(Bare()) if not a.startswith("_self_")}  # not tracking's
+  accounted = _SET_BY_HAND | _FORWARDED | _NOT_NEEDED
+  canaries.require(set_by_init == accounted, "`tf_keras Optimizer.__init__`", TF_KERAS_WRAPPER,
+                   f"sets exactly the attributes the wrapper accounts for; new: "
+                   f"{sorted(set_by_init - accounted)}, gone: {sorted(accounted - set_by_init)}")
+  inner = tf_keras.optimizers.SGD(0.1, clipnorm=2.0)
+  wrapper = wrapper_lib.CompressedOptimizer(inner, "none")
+  assert _SET_BY_HAND <= set(vars(wrapper))
+  for attribute in _FORWARDED:
+    assert getattr(wrapper, attribute) == getattr(inner, attribute), attribute
+  wrapper.clipnorm = 3.0
+  assert inner.clipnorm == 3.0
   optimizer = tf_keras.optimizers.SGD(0.1)
-  for attribute in ("_variables", "_mesh", "_run_with_dtensor", "_distribution_strategy"):
-    canaries.require(attribute in vars(optimizer), f"`tf_keras Optimizer.{attribute}`",
-                     TF_KERAS_WRAPPER, "set by Optimizer.__init__, which the wrapper skips")
   optimizer.build([tf.Variable([1.0])])
   canaries.require(getattr(optimizer, "_built", None) is True, "`tf_keras Optimizer._built`",
                    TF_KERAS_WRAPPER, "True after build (the base class's build checks it)")

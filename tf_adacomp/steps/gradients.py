@@ -13,7 +13,6 @@ where the dense sum would give it the square of the summed duplicate rows.
 
 import tensorflow as tf
 
-from tf_adacomp import replica_steps
 
 
 class GradientExchange:
@@ -21,15 +20,14 @@ class GradientExchange:
 
   Args:
     guard: the wrapper's ``steps.guard.Guard``.
-    inner: the wrapper's inner optimizer adapter (``steps.Inner``).
-    local_clipnorm: None or a float: each replica's own mean gradient is clipped to it
-      before it enters its residue.
+    inner: the wrapper's inner optimizer adapter (``steps.inner``); its ``clip`` (the
+      wrapper's ``local_clipnorm``) applies to each replica's own mean gradient before it
+      enters its residue.
   """
 
-  def __init__(self, guard, inner, local_clipnorm=None):
+  def __init__(self, guard, inner):
     self.guard = guard
     self.inner = inner
-    self.local_clipnorm = local_clipnorm
 
   def __call__(self, grads, variables, indices, dense):
     """One step on this replica's ``grads`` (Keras' loss divided by the replica count)
@@ -45,10 +43,8 @@ class GradientExchange:
     # documented equivalent, clips inside its own step.
     clip_after = keeps_slices and replicas == 1 and all(
         engine.sends_exactly(p) for p, g in zip(plans, grads) if g is not None)
-    if self.local_clipnorm is not None and not clip_after:
-      # Each replica's own mean gradient is grads * replicas: clip it to local_clipnorm
-      # (dense afterwards, as Keras' global_clipnorm makes an IndexedSlices).
-      grads = replica_steps.clip_by_global_norm(grads, self.local_clipnorm / replicas)
+    if not clip_after:
+      grads = self.inner.clip(grads, replicas)  # each replica's own mean: grads * replicas
     slices = [k for k, g in enumerate(grads)
               if keeps_slices and isinstance(g, tf.IndexedSlices)
               and engine.sends_exactly(plans[k])]

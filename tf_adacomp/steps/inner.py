@@ -79,15 +79,21 @@ class KerasInner:
       self.optimizer.apply(grads, variables)
     return tf.constant(True)
 
+  def clip(self, grads, replicas=1):
+    """``grads`` clipped so that each replica's own mean gradient, ``grads * replicas``,
+    has a global norm of at most ``local_clipnorm`` (as they are without one). Dense
+    afterwards, as Keras' ``global_clipnorm`` makes an ``IndexedSlices``."""
+    if self.local_clipnorm is None:
+      return grads
+    return replica_steps.clip_by_global_norm(grads, self.local_clipnorm / replicas)
+
   def own_step(self, grads, variables):
     """Its step on this replica's own gradient, clipped to ``local_clipnorm`` first. The
     clip is traced beside the step, as Keras' ``global_clipnorm`` clips in ``apply``:
     TensorFlow's graph optimizer (its arithmetic optimizer reorders a chain of scalings
     such as the clip's and SGD's learning rate) then rewrites both alike, and one
     replica is the inner optimizer with ``global_clipnorm`` bit for bit."""
-    if self.local_clipnorm is not None:
-      grads = replica_steps.clip_by_global_norm(grads, self.local_clipnorm)
-    return self.step(grads, variables)
+    return self.step(self.clip(grads), variables)
 
   @staticmethod
   def own_gradient(grad, replicas):
@@ -136,7 +142,7 @@ class InnerSetting:
       return self
     inner = wrapper.__dict__.get("inner_optimizer")
     if inner is None or wrapper.__dict__.get("_reading_own_settings"):
-      return BASE_DEFAULTS[self.name]
+      return BASE_DEFAULTS.get(self.name)
     return getattr(inner, self.name)
 
   def __set__(self, wrapper, value):

@@ -38,7 +38,6 @@ Also the arguments of that choice: ``resolve_second_moment``, ``default_second_m
 
 import tensorflow as tf
 
-from tf_adacomp import replica_steps
 from tf_adacomp import shared_moment
 from tf_adacomp.ops import checks
 from tf_adacomp.ops import fused
@@ -56,20 +55,18 @@ class SharedMoment:
     second_moment: "shared" or "global".
     precondition: "before" or "after".
     interval: None or the longest number of steps between averages.
-    local_clipnorm: None or a float; each replica's own mean gradient is clipped to it.
     shared_velocities: per variable, the shared second moment (equal on every replica).
     moment_synced_at: int64 variable, the step of the last average (0: never).
     momentum_squares: with "global", per variable each replica's moment of m^2.
   """
 
-  def __init__(self, guard, inner, second_moment, precondition, interval, local_clipnorm,
+  def __init__(self, guard, inner, second_moment, precondition, interval,
                shared_velocities, moment_synced_at, momentum_squares=None):
     self.guard = guard
     self.inner = inner
     self.second_moment = second_moment
     self.precondition = precondition
     self.interval = interval
-    self.local_clipnorm = local_clipnorm
     self.shared_velocities = shared_velocities
     self.moment_synced_at = moment_synced_at
     self.momentum_squares = momentum_squares
@@ -78,10 +75,9 @@ class SharedMoment:
     guard, inner = self.guard, self.inner.optimizer
     replicas, plans, states = guard.begin(indices)
     own = [self.inner.own_gradient(g, replicas) for g in grads]
-    if self.local_clipnorm is not None:
-      # Dense afterwards, as Keras' global_clipnorm makes an IndexedSlices: Adam then
-      # adds the square of the clipped, summed rows, as Keras does.
-      own = replica_steps.clip_by_global_norm(own, self.local_clipnorm)
+    # Dense afterwards when clipped: Adam then adds the square of the clipped, summed
+    # rows, as Keras does after its global_clipnorm.
+    own = self.inner.clip(own)
     t = tf.cast(inner.iterations, tf.int64) + 1
     learning_rate = inner.learning_rate
     momentums, velocities = shared_moment.moment_slots(inner)
