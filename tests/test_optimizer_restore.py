@@ -74,7 +74,9 @@ def _compressor(name):
     # Fast tier: one restore onto another number of replicas (FFT: its step counter
     # too); AdaComp's with --full (the cross-device ops' split is fast-tested on bare
     # variables in tests/test_cross_device_ops_restore.py).
-    pytest.param("adacomp", 0, 2, marks=pytest.mark.slow), ("fft", 2, 0),
+    pytest.param("adacomp", 0, 2, marks=pytest.mark.slow),
+    # Slow too: the fast tier restores onto as many replicas (tests/test_replica_state.py).
+    pytest.param("fft", 2, 0, marks=pytest.mark.slow),
     pytest.param("adacomp", 4, 2, marks=pytest.mark.slow),
     pytest.param("fft", 4, 2, marks=pytest.mark.slow)])
 def test_a_restore_with_other_replicas_keeps_the_residue_total_and_the_step(

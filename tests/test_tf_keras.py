@@ -43,8 +43,11 @@ def _replica_values(variable):
   return [v.numpy() for v in variable.values]
 
 
+# The whole suite only: the fast tier's tf_keras oracle (tests/conformance/
+# test_oracle_tf_keras.py) trains "none" against plain tf_keras on two replicas.
 @pytest.mark.parametrize("kind, exchange", [
-    ("new", "updates"), pytest.param("new", "gradients", marks=pytest.mark.slow),
+    pytest.param("new", "updates", marks=pytest.mark.slow),
+    pytest.param("new", "gradients", marks=pytest.mark.slow),
     pytest.param("legacy", "gradients", marks=pytest.mark.slow)])
 def test_no_compression_trains_like_the_plain_optimizer(kind, exchange):
   strategy = _strategy(4)

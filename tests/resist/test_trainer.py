@@ -106,6 +106,7 @@ def _check_rounds(model, recorder, rounds):
       int(np.prod(v.shape)) for v in model.trainable_weights)
 
 
+@pytest.mark.slow  # a training run; the fast tier has the averaging (test_sync.py) and the sub-ResNets (test_model.py)
 def test_resist_trains_sub_resnets_apart_and_averages_over_their_holders():
   """The mechanics in a short run: 2 rounds of 2 local steps, one per epoch (the slow
   test below checks the same on its 4 rounds of real training)."""
