@@ -215,8 +215,8 @@ class Compressor(abc.ABC):
       per gradient.
 
     Raises:
-      ValueError: the lists are empty or of different lengths, or a summable plan is
-        not alone.
+      ValueError: the lists are empty or of different lengths, a state is not a tuple
+        (one tensor's state given bare), or a summable plan is not alone.
     """
     plans = _bucket_plans(plans, grads=grads, states=states)
     grads = [tf.convert_to_tensor(grad) for grad in grads]
@@ -247,6 +247,12 @@ class Compressor(abc.ABC):
   def width(self, plans) -> int:
     """Static length, in int32 words, of one replica's compact payload for a bucket.
 
+    Args:
+      plans: the bucket's plans (compact ones).
+
+    Returns:
+      The words of ``compress``'s payload; only the first ``sum(nbytes) // 4`` are used.
+
     Raises:
       ValueError: ``plans`` is empty or summable (a summable payload is a dense tensor,
         not words).
@@ -266,6 +272,9 @@ class Compressor(abc.ABC):
 
     Returns:
       int64 ``[len(plans)]``; the shares add up to the payload's used bytes.
+
+    Raises:
+      ValueError: ``plans`` is empty, or a summable plan is not alone.
     """
     plans = _bucket_plans(plans)
     if plans[0].dense:
@@ -392,11 +401,12 @@ def _bucket_plans(plans, **lists) -> List[TensorPlan]:
     raise ValueError(f"`plans` must be a non-empty list of TensorPlans, one bucket (a "
                      f"single tensor is a bucket of one: [plan]). Received: plans={plans!r}")
   for name, values in lists.items():
-    if not isinstance(values, (list, tuple)) or len(values) != len(plans):
+    is_list = isinstance(values, (list, tuple))
+    if not is_list or len(values) != len(plans):
       raise ValueError(f"`{name}` must be a list of {len(plans)} entries, one per plan "
                        f"(a single tensor is a bucket of one: [{name[:-1]}]). Received: "
                        f"{name} of type {type(values).__name__}"
-                       f"{f' and length {len(values)}' if isinstance(values, (list, tuple)) else ''}")
+                       f"{f' and length {len(values)}' if is_list else ''}")
   # A state is itself a tuple: one gradient's state given bare would pass the length check.
   states = lists.get("states", ())
   if any(not isinstance(state, collections.abc.Sequence) for state in states):
