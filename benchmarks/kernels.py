@@ -1,7 +1,7 @@
 """Throughput of the AdaComp kernels against one fused XLA pass ``residue + grad``.
 
 The kernels timed are those training runs: the compressor's bucket calls
-(``AdaComp.compress_bucket``, ``decompress_bucket``, ``bucket_nbytes``), which the
+(``AdaComp.compress``, ``decompress``, ``nbytes``, on a bucket of plans), which the
 exchange makes for every bucket of a step; with the default ``fuse=True`` they are the
 bucket kernels of ``ops.adacomp_bucket``. Each tensor is timed as a bucket of its own.
 
@@ -63,13 +63,13 @@ def bench(n, bin_size, max_density, repeats, seed=0):
   plans = [compressor.plan([n], tf.float32, kind="dense")]
   fused = _median_seconds(lambda: _fused_pass(grad, residue), repeats)
   compress = _median_seconds(
-      lambda: compressor.compress_bucket([grad], [(residue,)], plans), repeats)
-  payload, _ = compressor.compress_bucket([grad], [(residue,)], plans)
+      lambda: compressor.compress([grad], [(residue,)], plans), repeats)
+  payload, _ = compressor.compress([grad], [(residue,)], plans)
   # The exchange decodes [replicas, width] rows.
   rows, gathered = payload[None], tf.stack([payload] * 4)
-  decode = _median_seconds(lambda: compressor.decompress_bucket(rows, plans), repeats)
-  decode4 = _median_seconds(lambda: compressor.decompress_bucket(gathered, plans), repeats)
-  nbytes = int(tf.reduce_sum(compressor.bucket_nbytes(payload, plans)))
+  decode = _median_seconds(lambda: compressor.decompress(rows, plans), repeats)
+  decode4 = _median_seconds(lambda: compressor.decompress(gathered, plans), repeats)
+  nbytes = int(tf.reduce_sum(compressor.nbytes(payload, plans)))
   return {
       "elements": n, "bin_size": bin_size, "max_density": max_density,
       "selected": int(payload[0]), "payload_bytes": nbytes,

@@ -55,11 +55,12 @@ def test_replica_exchange_reports_what_the_joined_gather_sends(fuse):
   reported = [strategy.experimental_local_results(b)[0].numpy() for b in step()]
   states = [compressor.init(p) for p in plans]
   if fuse:  # one bucket payload per replica
-    words = np.array([[int(tf.reduce_sum(compressor.bucket_nbytes(compressor.compress_bucket(
+    words = np.array([[int(tf.reduce_sum(compressor.nbytes(compressor.compress(
         [tf.constant(x) for x in g], states, plans)[0], plans))) // 4] for g in grads])
   else:
     words = np.array([[int(tf_adacomp.ops.payload_nbytes(compressor.compress(
-        tf.constant(g[i]), states[i], plans[i])[0])) // 4 for i in range(2)] for g in grads])
+        [tf.constant(g[i])], [states[i]], [plans[i]])[0])) // 4 for i in range(2)]
+                      for g in grads])
   assert len(set(words[:, 0])) > 1  # the lengths differ between replicas
   assert sum(reported) == 4 * words.shape[1] + 4 * words.sum(axis=1).max()  # 4-byte words
   if not fuse:

@@ -35,16 +35,17 @@ class _Rows(base.Compressor):
 
   name = "rows_for_tests"
 
-  def payload_width(self, plan):
+  def _width(self, plans):
+    (plan,) = plans
     return int(plan.shape[1])
 
-  def _compress(self, grad, state, plan):
+  def _compress(self, grads, states, plans):
     raise NotImplementedError
 
-  def _decompress(self, payload, plan):
-    return tf.bitcast(payload, tf.float32)
+  def _decompress(self, payload, plans):
+    return [tf.bitcast(payload, tf.float32)]
 
-  def _payload_nbytes(self, payload, plan):
+  def _nbytes(self, payload, plans):
     raise NotImplementedError
 
 

@@ -39,10 +39,11 @@ def test_bad_scale_is_named(bad):
 
 
 def test_error_feedback_loses_nothing_and_scales_are_counted():
-  compressor = tf_adacomp.AdaComp(scale="bin", max_density=1.0)
+  # fuse=False: a tensor's payload in the per-tensor format (ops.adacomp) counted below.
+  compressor = tf_adacomp.AdaComp(scale="bin", max_density=1.0, fuse=False)
   plan = compressor.plan([40, 30], tf.float32, "dense/kernel")
   bins = -(-1200 // plan.bin_size)
-  assert compressor.payload_width(plan) == (adacomp_ops.payload_words(1200, 1.0)
+  assert compressor.width([plan]) == (adacomp_ops.payload_words(1200, 1.0)
                                             + 1 + -(-bins // 2))
   state = compressor.init(plan)
   rng = np.random.default_rng(0)
@@ -51,12 +52,12 @@ def test_error_feedback_loses_nothing_and_scales_are_counted():
   for _ in range(5):
     grad = rng.standard_normal([40, 30]).astype(np.float32)
     total += grad
-    payload, state = compressor.compress(grad, state, plan)
-    assert payload.shape == [compressor.payload_width(plan)]
+    payload, (state,) = compressor.compress([grad], [state], [plan])
+    assert payload.shape == [compressor.width([plan])]
     count = int(payload[0])
     bits = adacomp_ops.index_bits(1200) + 1
-    assert int(compressor.payload_nbytes(payload, plan)) == 4 * (
+    assert int(compressor.nbytes(payload, [plan])[0]) == 4 * (
         4 + -(-bins // 2) + -(-count * bits // 32))
-    sent += compressor.decompress(payload, plan).numpy()
+    sent += compressor.decompress(payload, [plan])[0].numpy()
   np.testing.assert_allclose(sent + state[0].numpy(), total, atol=1e-4)
   assert np.count_nonzero(sent) < sent.size

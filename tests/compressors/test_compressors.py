@@ -11,8 +11,8 @@ import tf_adacomp
 
 def _combine(compressor, plan, payloads):
   if plan.summable:
-    return compressor.decompress(tf.add_n(payloads), plan)
-  return compressor.decompress(tf.stack(payloads), plan)
+    return compressor.decompress(tf.add_n(payloads), [plan])[0]
+  return compressor.decompress(tf.stack(payloads), [plan])[0]
 
 
 @pytest.mark.parametrize("name", ["adacomp", "topk"])
@@ -27,8 +27,8 @@ def test_error_feedback_loses_nothing_over_steps(name):
   for _ in range(6):
     grad = rng.standard_normal([40, 30]).astype(np.float32)
     total += grad
-    payload, state = compressor.compress(grad, state, plan)
-    sent += compressor.decompress(payload, plan).numpy()
+    payload, (state,) = compressor.compress([grad], [state], [plan])
+    sent += compressor.decompress(payload, [plan])[0].numpy()
   np.testing.assert_allclose(sent + state[0].numpy(), total, atol=1e-4)
   assert np.count_nonzero(sent) < sent.size  # it did compress
 
@@ -41,9 +41,9 @@ def test_combined_payload_is_the_sum_over_replicas(name):
   payloads, singles = [], []
   for _ in range(3):
     payload, _ = compressor.compress(
-        rng.standard_normal(plan.shape).astype(np.float32), compressor.init(plan), plan)
+        [rng.standard_normal(plan.shape).astype(np.float32)], [compressor.init(plan)], [plan])
     payloads.append(payload)
-    singles.append(compressor.decompress(payload, plan).numpy())
+    singles.append(compressor.decompress(payload, [plan])[0].numpy())
   combined = _combine(compressor, plan, payloads).numpy()
   tol = {"fp16": 2e-3, "bf16": 3e-2}.get(name, 1e-6)
   np.testing.assert_allclose(combined, np.sum(singles, 0), rtol=tol, atol=tol)
@@ -61,19 +61,20 @@ def test_casts_halve_the_bytes(name, wire, rtol):
   compressor = tf_adacomp.get_compressor(name)
   plan = compressor.plan([100], tf.float32)
   grad = tf.linspace(-3.0, 3.0, 100)
-  payload, state = compressor.compress(grad, compressor.init(plan), plan)
+  payload, (state,) = compressor.compress([grad], [compressor.init(plan)], [plan])
   assert payload.dtype == wire and state == ()
-  assert int(compressor.payload_nbytes(payload, plan)) == 200
-  np.testing.assert_allclose(compressor.decompress(payload, plan), grad, rtol=rtol, atol=1e-3)
+  assert int(compressor.nbytes(payload, [plan])[0]) == 200
+  np.testing.assert_allclose(compressor.decompress(payload, [plan])[0], grad, rtol=rtol,
+                             atol=1e-3)
 
 
 def test_none_is_exact():
   compressor = tf_adacomp.NoCompression()
   plan = compressor.plan([5, 5], tf.float32)
   grad = tf.random.normal([5, 5])
-  payload, _ = compressor.compress(grad, (), plan)
-  np.testing.assert_array_equal(compressor.decompress(payload, plan), grad)
-  assert int(compressor.payload_nbytes(payload, plan)) == 100
+  payload, _ = compressor.compress([grad], [()], [plan])
+  np.testing.assert_array_equal(compressor.decompress(payload, [plan])[0], grad)
+  assert int(compressor.nbytes(payload, [plan])[0]) == 100
 
 
 def _topk_reference(grad, residue, density):
@@ -122,9 +123,9 @@ def test_adacomp_residues_are_at_least_float32(dtype):
   plan = compressor.plan([600], dtype)
   (residue,) = compressor.init(plan)
   assert residue.dtype == (tf.float64 if dtype == tf.float64 else tf.float32)
-  payload, (new_residue,) = compressor.compress(tf.ones([600], dtype), (residue,), plan)
+  payload, ((new_residue,),) = compressor.compress([tf.ones([600], dtype)], [(residue,)], [plan])
   assert new_residue.dtype == residue.dtype
-  assert compressor.decompress(payload, plan).dtype == dtype
+  assert compressor.decompress(payload, [plan])[0].dtype == dtype
 
 
 @pytest.mark.parametrize("name", ["adacomp", "topk", "fft"])

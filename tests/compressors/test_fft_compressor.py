@@ -59,12 +59,12 @@ def test_theta_schedule():
                                                                           0.6, 0.6]
   assert tf_adacomp.FFTCompressor(theta=0.8).theta_at(1000) == 0.8
   plan = compressor.plan([50, 20], tf.float32, "dense/kernel")
-  assert compressor.payload_width(plan) == tf_adacomp.ops.fft_payload_words(1000, 0.6)
+  assert compressor.width([plan]) == tf_adacomp.ops.fft_payload_words(1000, 0.6)
   state = compressor.init(plan)
   grad = np.random.default_rng(0).standard_normal([50, 20]).astype(np.float32)
   for step in range(5):
     assert int(state[1]) == step
-    payload, state = compressor.compress(grad, state, plan)
+    payload, (state,) = compressor.compress([grad], [state], [plan])
     assert int(payload[0]) == _kept(1000, [0.9, 0.8, 0.7, 0.6, 0.6][step])
 
 
@@ -81,13 +81,13 @@ def test_error_feedback_loses_nothing_over_steps():
     grad = rng.standard_normal([40, 30]).astype(np.float32)
     total += grad
     previous = residue.numpy()
-    payload, (residue, step) = compressor.compress(grad, (residue, step), plan)
-    decoded = compressor.decompress(payload, plan).numpy()
+    payload, ((residue, step),) = compressor.compress([grad], [(residue, step)], [plan])
+    decoded = compressor.decompress(payload, [plan])[0].numpy()
     np.testing.assert_array_equal(residue.numpy(), (previous + grad) - decoded)
     sent += decoded
   np.testing.assert_allclose(sent + residue.numpy(), total, atol=1e-4)
   assert int(step) == 5
-  nbytes = int(compressor.payload_nbytes(payload, plan))
+  nbytes = int(compressor.nbytes(payload, [plan])[0])
   assert nbytes < plan.dense_nbytes / 15  # 1+4+3-bit floats, 10% of 601 coefficients
 
 
@@ -96,10 +96,10 @@ def test_non_finite_keeps_the_state():
   plan = compressor.plan([64], tf.float32)
   state = (tf.ones([64]), tf.constant(7, tf.int64))
   grad = tf.tensor_scatter_nd_update(tf.zeros([64]), [[5]], [np.nan])
-  payload, (residue, step) = compressor.compress(grad, state, plan)
+  payload, ((residue, step),) = compressor.compress([grad], [state], [plan])
   np.testing.assert_array_equal(residue, state[0])
   assert int(step) == 7
-  assert np.isnan(compressor.decompress(payload, plan).numpy()).all()
+  assert np.isnan(compressor.decompress(payload, [plan])[0].numpy()).all()
 
 
 def test_bad_input_raises_and_leaves_the_residue_variable_unchanged():
@@ -107,9 +107,10 @@ def test_bad_input_raises_and_leaves_the_residue_variable_unchanged():
   plan = compressor.plan([10, 10], tf.float32)
   residue = tf.Variable(tf.fill([10, 10], 0.5))
   with pytest.raises(ValueError, match="residue"):
-    compressor.compress(tf.ones([10, 10]), (residue[:5], tf.constant(0, tf.int64)), plan)
+    compressor.compress([tf.ones([10, 10])], [(residue[:5], tf.constant(0, tf.int64))], [plan])
   with pytest.raises(TypeError, match="grad"):
-    compressor.compress(tf.ones([10, 10], tf.int32), (residue, tf.constant(0, tf.int64)), plan)
+    compressor.compress([tf.ones([10, 10], tf.int32)], [(residue, tf.constant(0, tf.int64))],
+                        [plan])
   np.testing.assert_array_equal(residue.numpy(), 0.5)
 
 
@@ -150,9 +151,10 @@ def test_exchange_under_mirrored_strategy_is_bit_identical_on_every_replica():
                                          [per_replica(c) for c in counters])
     # The same compressor eagerly, replica by replica.
     for i, plan in enumerate(plans):
-      eager = [compressor.compress(grads[i][r], (residues[i][r], counters[i][r]), plan)
+      eager = [compressor.compress([grads[i][r]], [(residues[i][r], counters[i][r])], [plan])
                for r in range(replicas)]
-      expected = compressor.decompress(tf.stack([p for p, _ in eager]), plan).numpy()
+      eager = [(payload, state) for payload, (state,) in eager]
+      expected = compressor.decompress(tf.stack([p for p, _ in eager]), [plan])[0].numpy()
       local = strategy.experimental_local_results(sums[i])
       for r in range(replicas):
         np.testing.assert_array_equal(local[r], expected)  # identical on every replica

@@ -135,9 +135,9 @@ def test_small_tensors_go_dense_and_are_counted():
   assert plan.dense and plan.summable
   assert compressor.init(plan) == ()
   grad = tf.range(10, dtype=tf.float32)
-  payload, state = compressor.compress(grad, (), plan)
-  np.testing.assert_array_equal(compressor.decompress(payload, plan), grad)
-  assert int(compressor.payload_nbytes(payload, plan)) == 40
+  payload, (state,) = compressor.compress([grad], [()], [plan])
+  np.testing.assert_array_equal(compressor.decompress(payload, [plan])[0], grad)
+  assert int(compressor.nbytes(payload, [plan])[0]) == 40
 
 
 @pytest.mark.parametrize("kwargs,error,match", [

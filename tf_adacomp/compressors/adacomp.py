@@ -31,7 +31,7 @@ class AdaComp(base.Compressor):
     scale: "tensor" (default, the published reference implementation's): one scale per
       tensor, the mean of its bin maxima; "bin": each bin's own maximum |G| as its
       scale, sent as bfloat16 (2 bytes per bin and 4 bytes of header more per tensor,
-      counted in ``payload_nbytes``; docs/wire_format.md). Finer scales leave less
+      counted in ``nbytes``; docs/wire_format.md). Finer scales leave less
       rounding error in the residue where parts of a tensor differ in magnitude (LSTM
       gates, embedding rows); docs/convergence.md measures what that buys.
     fuse: bool, default True. Compress all the tensors of one exchange that share a bin
@@ -94,25 +94,6 @@ class AdaComp(base.Compressor):
       return ()
     return (tf.zeros(plan.shape, base.residue_dtype(plan.dtype)),)
 
-  def _compress(self, grad, state, plan):
-    (residue,) = state
-    payload, residue = adacomp_ops.adacomp_compress(grad, residue, plan.bin_size,
-                                                    self.max_density, scale=self.scale)
-    return payload, (residue,)
-
-  def _decompress(self, payload, plan):
-    return adacomp_ops.adacomp_decompress(payload, plan.shape, plan.dtype, scale=self.scale,
-                                          bin_size=plan.bin_size)
-
-  def payload_width(self, plan):
-    return adacomp_ops.payload_words(plan.num_elements, self.max_density, scale=self.scale,
-                                     bin_size=plan.bin_size)
-
-  def _payload_nbytes(self, payload, plan):
-    return adacomp_ops.payload_nbytes(payload)
-
-  # --- Buckets ---------------------------------------------------------------------
-
   def buckets(self, plans):
     if not self.fuse:
       return super().buckets(plans)
@@ -122,37 +103,47 @@ class AdaComp(base.Compressor):
         groups.setdefault((plan.bin_size, plan.dtype), []).append(i)
     return [tuple(indices) for indices in groups.values()]
 
+  # fuse=True: every bucket (one tensor's too) is ``ops.adacomp_bucket``'s payload;
+  # fuse=False: buckets of one, each ``ops.adacomp``'s per-tensor payload.
+
+  def _compress(self, grads, states, plans):
+    if self.fuse:
+      payload, residues = adacomp_bucket.compress(
+          grads, [state[0] for state in states], **self._bucket_args(plans))
+      return payload, [(residue,) for residue in residues]
+    (grad,), ((residue,),), (plan,) = grads, states, _one(plans)
+    payload, residue = adacomp_ops.adacomp_compress(grad, residue, plan.bin_size,
+                                                    self.max_density, scale=self.scale)
+    return payload, [(residue,)]
+
+  def _decompress(self, payload, plans):
+    if self.fuse:
+      return adacomp_bucket.decompress(payload, [plan.shape for plan in plans],
+                                       plans[0].dtype, **self._bucket_args(plans))
+    (plan,) = _one(plans)
+    return [adacomp_ops.adacomp_decompress(payload, plan.shape, plan.dtype, scale=self.scale,
+                                           bin_size=plan.bin_size)]
+
+  def _width(self, plans):
+    if self.fuse:
+      return adacomp_bucket.layout([plan.num_elements for plan in plans],
+                                   **self._bucket_args(plans)).width
+    (plan,) = _one(plans)
+    return adacomp_ops.payload_words(plan.num_elements, self.max_density, scale=self.scale,
+                                     bin_size=plan.bin_size)
+
+  def _nbytes(self, payload, plans):
+    if self.fuse:
+      return adacomp_bucket.tensor_nbytes(payload, [plan.num_elements for plan in plans],
+                                          **self._bucket_args(plans))
+    _one(plans)
+    return tf.reshape(adacomp_ops.payload_nbytes(payload), [1])
+
   def _bucket_args(self, plans):
     if len({plan.bin_size for plan in plans}) != 1:
       raise ValueError(f"A bucket's tensors must share one bin size. Received: "
                        f"{[(plan.name, plan.bin_size) for plan in plans]}")
     return dict(bin_size=plans[0].bin_size, max_density=self.max_density, scale=self.scale)
-
-  def compress_bucket(self, grads, states, plans):
-    if not self.fuse:
-      return super().compress_bucket(grads, states, plans)
-    payload, residues = adacomp_bucket.compress(
-        [tf.convert_to_tensor(g) for g in grads], [state[0] for state in states],
-        **self._bucket_args(plans))
-    return payload, [(residue,) for residue in residues]
-
-  def decompress_bucket(self, rows, plans):
-    if not self.fuse:
-      return super().decompress_bucket(rows, plans)
-    return adacomp_bucket.decompress(rows, [plan.shape for plan in plans], plans[0].dtype,
-                                     **self._bucket_args(plans))
-
-  def bucket_width(self, plans):
-    if not self.fuse:
-      return super().bucket_width(plans)
-    return adacomp_bucket.layout([plan.num_elements for plan in plans],
-                                 **self._bucket_args(plans)).width
-
-  def bucket_nbytes(self, payload, plans):
-    if not self.fuse:
-      return super().bucket_nbytes(payload, plans)
-    return adacomp_bucket.tensor_nbytes(payload, [plan.num_elements for plan in plans],
-                                        **self._bucket_args(plans))
 
   def get_config(self):
     return {**super().get_config(), "conv_bin_size": self.conv_bin_size,
@@ -166,3 +157,12 @@ class AdaComp(base.Compressor):
     if not self.fuse:
       config["fuse"] = False
     return config
+
+
+def _one(plans):
+  """``plans``, refused unless one: ``fuse=False`` sends one payload per tensor."""
+  if len(plans) != 1:
+    raise ValueError(f"AdaComp(fuse=False) compresses buckets of one tensor (its "
+                     f"``buckets``). Received: {len(plans)} plans "
+                     f"{[plan.name for plan in plans]}")
+  return plans

@@ -1,21 +1,33 @@
 """The compressor contract: static per-tensor plans and pure tensor functions.
 
 In the style of optax: a compressor holds only hyper-parameters. Its maths are pure
-functions of tensors, ``init(plan) -> state`` and
-``compress(grad, state, plan) -> (payload, new_state)``, so they run eagerly, in graph
-mode, under XLA and in ``strategy.run`` alike, and whoever owns the state (an optimizer's
-variables, a cross-device op's per-device variables) decides where it lives.
+functions of tensors, so they run eagerly, in graph mode, under XLA and in
+``strategy.run`` alike, and whoever owns the state (an optimizer's variables, a
+cross-device op's per-device variables) decides where it lives.
 
-How payloads of several replicas combine is explicit, per tensor, in ``plan.summable``:
+One contract, over a bucket (a list of plans whose payloads travel as one); a tensor is
+a bucket of one:
+
+- ``init(plan) -> state`` per tensor;
+- ``compress(grads, states, plans) -> (payload, new_states)``;
+- ``decompress(payload, plans) -> [total per plan]``;
+- ``width(plans)``: words of one replica's compact payload;
+- ``nbytes(payload, plans)``: int64 ``[len(plans)]``, each gradient's share of the bytes.
+
+Subclasses implement the hooks ``_compress``, ``_decompress``, ``_nbytes`` and ``_width``
+with the same arguments (dense plans never reach them); ``buckets(plans)`` groups the
+compact plans (default: one bucket each). How payloads of several replicas combine is
+explicit, per tensor, in ``plan.summable``:
 
 - ``True``: payloads are dense tensors that may be added by an all-reduce
-  (``decompress`` then receives the sum);
+  (``decompress`` then receives the sum); such a plan is alone in its bucket;
 - ``False``: payloads are compact int32 buffers that must be all-gathered
-  (``decompress`` receives ``[replicas, words]`` and returns the sum of the
+  (``decompress`` receives ``[replicas, words]`` and returns the sums of the
   contributions, decoded in replica order).
 """
 
 import abc
+import collections.abc
 import dataclasses
 import inspect
 import re
@@ -120,9 +132,13 @@ class TensorPlan:
 class Compressor(abc.ABC):
   """Base class of gradient compressors.
 
-  Subclasses set ``name`` (their registry key) and implement ``compress``,
-  ``decompress`` and, when they keep state, ``init``. Tensors smaller than ``min_size``
-  elements go uncompressed (dense, summable) and are counted as such.
+  Subclasses set ``name`` (their registry key) and implement the bucket hooks
+  ``_compress``, ``_decompress``, ``_nbytes`` (and ``_width`` for compact payloads) and,
+  when they keep state, ``init`` (see the module doc). Tensors smaller than ``min_size``
+  elements go uncompressed (dense, summable) and are counted as such. A subclass that
+  defines a method of the old per-tensor contract (``compress_bucket``,
+  ``payload_width``, ``_compress(grad, state, plan)``, ...) is refused with a TypeError
+  when it is made.
 
   The built-in compressors' constructors refuse an unknown keyword argument with a
   TypeError that names it, its value and the closest valid name
@@ -184,55 +200,93 @@ class Compressor(abc.ABC):
     """Shapes and dtypes of the state, so that owners can create variables for it."""
     return tuple(tf.TensorSpec(s.shape, s.dtype) for s in self.init(plan))
 
-  def compress(self, grad, state: State, plan: TensorPlan):
-    """Compresses one replica's gradient.
+  def compress(self, grads, states, plans):
+    """Compresses one replica's gradients of one bucket into one payload.
 
     Args:
-      grad: the gradient, of ``plan.shape``.
-      state: this tensor's state from ``init`` or the previous ``compress``.
-      plan: from ``plan``.
+      grads: the bucket's gradients, each of its plan's shape.
+      states: each gradient's state from ``init`` or the previous ``compress``.
+      plans: each gradient's plan, from ``plan``; a summable plan is alone in its
+        bucket.
 
     Returns:
-      ``(payload, new_state)``.
-    """
-    if plan.dense:
-      return tf.convert_to_tensor(grad), state
-    return self._compress(tf.convert_to_tensor(grad), state, plan)
+      ``(payload, new_states)``: the bucket's payload (a summable plan's dense tensor,
+      else a 1-D int32 tensor of ``width(plans)`` words) and a list of new states, one
+      per gradient.
 
-  def decompress(self, payload, plan: TensorPlan) -> tf.Tensor:
-    """Dense gradient of ``plan.shape`` and ``plan.dtype`` from a combined payload.
+    Raises:
+      ValueError: the lists are empty or of different lengths, a state is not a tuple
+        (one tensor's state given bare), or a summable plan is not alone.
+    """
+    plans = _bucket_plans(plans, grads=grads, states=states)
+    grads = [tf.convert_to_tensor(grad) for grad in grads]
+    if plans[0].dense:
+      return grads[0], [states[0]]
+    return self._compress(grads, list(states), plans)
+
+  def decompress(self, payload, plans) -> List[tf.Tensor]:
+    """Dense totals of a bucket's gradients from the replicas' combined payloads.
 
     Args:
-      payload: for summable plans the sum of the replicas' payloads; otherwise the
-        gathered ``[replicas, ...]`` payloads (or one replica's payload).
-      plan: from ``plan``.
+      payload: for a summable plan the sum of the replicas' payloads; otherwise the
+        gathered ``[replicas, width]`` payloads (or one replica's payload).
+      plans: the bucket's plans, as given to ``compress``.
 
     Returns:
-      The sum over replicas of their (approximate) gradients.
-    """
-    if plan.dense:
-      return tf.cast(payload, plan.dtype)
-    return self._decompress(payload, plan)
+      One tensor per plan, of its shape and dtype: the sum over replicas of their
+      (approximate) gradients, contributions added in replica order.
 
-  def payload_nbytes(self, payload, plan: TensorPlan) -> tf.Tensor:
-    """Bytes one replica's payload occupies on the wire (int64 scalar tensor)."""
-    if plan.dense:
+    Raises:
+      ValueError: ``plans`` is empty, or a summable plan is not alone.
+    """
+    plans = _bucket_plans(plans)
+    if plans[0].dense:
+      return [tf.cast(payload, plans[0].dtype)]
+    return self._decompress(payload, plans)
+
+  def width(self, plans) -> int:
+    """Static length, in int32 words, of one replica's compact payload for a bucket.
+
+    Args:
+      plans: the bucket's plans (compact ones).
+
+    Returns:
+      The words of ``compress``'s payload; only the first ``sum(nbytes) // 4`` are used.
+
+    Raises:
+      ValueError: ``plans`` is empty or summable (a summable payload is a dense tensor,
+        not words).
+    """
+    plans = _bucket_plans(plans)
+    if plans[0].summable:
+      raise ValueError(f"A summable plan has no compact payload width. Received: "
+                       f"plans={[plan.name for plan in plans]}")
+    return self._width(plans)
+
+  def nbytes(self, payload, plans) -> tf.Tensor:
+    """Each gradient's share of the bytes one replica's payload occupies on the wire.
+
+    Args:
+      payload: one replica's payload of the bucket, from ``compress``.
+      plans: the bucket's plans.
+
+    Returns:
+      int64 ``[len(plans)]``; the shares add up to the payload's used bytes.
+
+    Raises:
+      ValueError: ``plans`` is empty, or a summable plan is not alone.
+    """
+    plans = _bucket_plans(plans)
+    if plans[0].dense:
       payload = tf.convert_to_tensor(payload)
-      return tf.constant(payload.shape.num_elements() * payload.dtype.size, tf.int64)
-    return self._payload_nbytes(payload, plan)
-
-  def payload_width(self, plan: TensorPlan) -> int:
-    """Static length of one replica's (flat) payload for a non-summable plan."""
-    raise NotImplementedError(f"{type(self).__name__} has no compact payload.")
-
-  # --- Buckets: several compact payloads sent as one -------------------------------
-  #
-  # The exchange sends every compact plan inside a bucket. By default each is a bucket of
-  # its own; a compressor that can fuse tensors (AdaComp) groups them, and one payload
-  # carries the whole group.
+      return tf.constant([payload.shape.num_elements() * payload.dtype.size], tf.int64)
+    return self._nbytes(payload, plans)
 
   def buckets(self, plans: Sequence[TensorPlan]) -> List[Tuple[int, ...]]:
     """The compact plans grouped into buckets, as indices into ``plans``.
+
+    By default each compact plan is a bucket of its own; a compressor that can fuse
+    tensors (AdaComp) groups them, and one payload carries the whole group.
 
     Args:
       plans: the plans of one exchange, in order.
@@ -242,35 +296,27 @@ class Compressor(abc.ABC):
     """
     return [(i,) for i, plan in enumerate(plans) if not plan.summable]
 
-  def compress_bucket(self, grads, states, plans):
-    """Compresses one bucket: ``(payload, [new state per gradient])``."""
-    payload, state = self.compress(grads[0], states[0], plans[0])
-    return payload, [state]
-
-  def decompress_bucket(self, rows, plans) -> List[tf.Tensor]:
-    """One dense total per gradient of a bucket from its ``[replicas, width]`` rows."""
-    return [self.decompress(rows, plans[0])]
-
-  def bucket_width(self, plans) -> int:
-    """Static length of one replica's payload for a bucket."""
-    return self.payload_width(plans[0])
-
-  def bucket_nbytes(self, payload, plans) -> tf.Tensor:
-    """int64 ``[len(plans)]``: each gradient's share of the bytes one replica's bucket
-    payload occupies on the wire (they add up to its used bytes)."""
-    return tf.reshape(self.payload_nbytes(payload, plans[0]), [1])
+  # --- Hooks of subclasses: the same contract, dense plans already handled ----------
 
   @abc.abstractmethod
-  def _compress(self, grad, state, plan):
-    ...
+  def _compress(self, grads, states, plans):
+    """``(payload, [new state per gradient])`` of a bucket (see ``compress``)."""
 
   @abc.abstractmethod
-  def _decompress(self, payload, plan):
-    ...
+  def _decompress(self, payload, plans):
+    """One dense total per plan (see ``decompress``)."""
 
   @abc.abstractmethod
-  def _payload_nbytes(self, payload, plan):
-    ...
+  def _nbytes(self, payload, plans):
+    """int64 ``[len(plans)]`` shares of the used bytes (see ``nbytes``)."""
+
+  def _width(self, plans) -> int:
+    """Words of one replica's compact payload (see ``width``)."""
+    raise NotImplementedError(f"{type(self).__name__} has no compact payload.")
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    _refuse_old_contract(cls)
 
   # --- Serialization -------------------------------------------------------------
 
@@ -302,6 +348,74 @@ class Compressor(abc.ABC):
 
   def __hash__(self):
     return hash((type(self), repr(self)))
+
+
+# The methods of the contract before "a tensor is a bucket of one", and what replaced them.
+_OLD_METHODS = {
+    "compress_bucket": "compress(grads, states, plans)",
+    "decompress_bucket": "decompress(payload, plans)",
+    "bucket_width": "width(plans) (hook: _width(plans))",
+    "bucket_nbytes": "nbytes(payload, plans) (hook: _nbytes(payload, plans))",
+    "payload_width": "_width(plans)",
+    "payload_nbytes": "nbytes(payload, plans) (hook: _nbytes(payload, plans))",
+    "_payload_nbytes": "_nbytes(payload, plans)",
+}
+# Per-tensor parameter names: a method that takes one of them was written for one tensor.
+_PER_TENSOR_PARAMETERS = ("grad", "state", "plan")
+_BUCKET_METHODS = {"compress": "compress(grads, states, plans)",
+                   "decompress": "decompress(payload, plans)",
+                   "_compress": "_compress(grads, states, plans)",
+                   "_decompress": "_decompress(payload, plans)"}
+_CONTRACT = ("a Compressor now implements _compress(grads, states, plans), "
+             "_decompress(payload, plans), _nbytes(payload, plans) and, for compact "
+             "payloads, _width(plans), each over one bucket of plans (a tensor is a bucket "
+             "of one, unpacked as `(grad,), (state,), (plan,) = grads, states, plans`)")
+
+
+def _refuse_old_contract(cls) -> None:
+  """Refuses, when the class is made, a subclass written against the per-tensor API:
+  its methods would never be called (or be called with lists), silently."""
+  for name, replacement in _OLD_METHODS.items():
+    if name in vars(cls):
+      raise TypeError(f"{cls.__qualname__}.{name} belongs to the old Compressor contract; "
+                      f"define {replacement} instead: {_CONTRACT}.")
+  for name, replacement in _BUCKET_METHODS.items():
+    method = vars(cls).get(name)
+    if not callable(method):
+      continue
+    try:
+      parameters = inspect.signature(method).parameters
+    except (TypeError, ValueError):  # no signature to read: nothing to judge
+      continue
+    old = [p for p in parameters if p in _PER_TENSOR_PARAMETERS]
+    if old:
+      raise TypeError(f"{cls.__qualname__}.{name}{inspect.signature(method)} takes one "
+                      f"tensor's {', '.join(repr(p) for p in old)} (the old Compressor "
+                      f"contract); define {replacement} instead: {_CONTRACT}.")
+
+
+def _bucket_plans(plans, **lists) -> List[TensorPlan]:
+  """``plans`` as a list, checked: one bucket (non-empty; a summable plan alone), and
+  ``lists`` (grads, states) of the same length."""
+  if isinstance(plans, TensorPlan) or not isinstance(plans, (list, tuple)) or not plans:
+    raise ValueError(f"`plans` must be a non-empty list of TensorPlans, one bucket (a "
+                     f"single tensor is a bucket of one: [plan]). Received: plans={plans!r}")
+  for name, values in lists.items():
+    is_list = isinstance(values, (list, tuple))
+    if not is_list or len(values) != len(plans):
+      raise ValueError(f"`{name}` must be a list of {len(plans)} entries, one per plan "
+                       f"(a single tensor is a bucket of one: [{name[:-1]}]). Received: "
+                       f"{name} of type {type(values).__name__}"
+                       f"{f' and length {len(values)}' if is_list else ''}")
+  # A state is itself a tuple: one gradient's state given bare would pass the length check.
+  states = lists.get("states", ())
+  if any(not isinstance(state, collections.abc.Sequence) for state in states):
+    raise ValueError(f"`states` must hold one state (a tuple of tensors) per plan (a single "
+                     f"tensor's: [state]). Received: states={states!r}")
+  if len(plans) > 1 and any(plan.summable for plan in plans):
+    raise ValueError(f"A summable plan is alone in its bucket. Received: plans="
+                     f"{[(plan.name, plan.summable) for plan in plans]}")
+  return list(plans)
 
 
 def check_config_keys(cls: type, config: Dict[str, Any], received: str) -> None:

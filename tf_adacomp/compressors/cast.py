@@ -15,15 +15,17 @@ class _Dense(base.Compressor):
   def _plan(self, name, shape, dtype, kind):
     return base.TensorPlan(name, shape, dtype, kind, summable=True)
 
-  def _compress(self, grad, state, plan):
-    return tf.cast(grad, self.wire_dtype or grad.dtype), state
+  def _compress(self, grads, states, plans):
+    (grad,), (state,) = grads, states
+    return tf.cast(grad, self.wire_dtype or grad.dtype), [state]
 
-  def _decompress(self, payload, plan):
-    return tf.cast(payload, plan.dtype)
+  def _decompress(self, payload, plans):
+    (plan,) = plans
+    return [tf.cast(payload, plan.dtype)]
 
-  def _payload_nbytes(self, payload, plan):
+  def _nbytes(self, payload, plans):
     payload = tf.convert_to_tensor(payload)
-    return tf.constant(payload.shape.num_elements() * payload.dtype.size, tf.int64)
+    return tf.constant([payload.shape.num_elements() * payload.dtype.size], tf.int64)
 
 
 @registry.register("none")

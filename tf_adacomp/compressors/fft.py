@@ -83,27 +83,30 @@ class FFTCompressor(base.Compressor):
       return ()
     return (tf.zeros(plan.shape, base.residue_dtype(plan.dtype)), tf.zeros([], tf.int64))
 
-  def _compress(self, grad, state, plan):
-    residue, step = state
+  def _compress(self, grads, states, plans):
+    (grad,), ((residue, step),) = grads, states
     payload, residue = fft_ops.fft_compress(
         grad, residue, self.theta, self.exponent_bits, self.mantissa_bits, step=step,
         final_theta=self.final_theta, theta_decay_steps=self.theta_decay_steps)
     # A non-finite step (marked in the payload's third word) keeps the whole state.
     step = tf.where(payload[2] == fft_ops.NONFINITE, step, step + 1)
-    return payload, (residue, step)
+    return payload, [(residue, step)]
 
-  def _decompress(self, payload, plan):
-    return fft_ops.fft_decompress(payload, plan.shape, self.theta, plan.dtype,
-                                  self.exponent_bits, self.mantissa_bits, self.final_theta)
+  def _decompress(self, payload, plans):
+    (plan,) = plans
+    return [fft_ops.fft_decompress(payload, plan.shape, self.theta, plan.dtype,
+                                   self.exponent_bits, self.mantissa_bits, self.final_theta)]
 
-  def payload_width(self, plan):
+  def _width(self, plans):
+    (plan,) = plans
     return fft_ops.fft_payload_words(plan.num_elements, self.theta, self.exponent_bits,
                                      self.mantissa_bits, self.final_theta)
 
-  def _payload_nbytes(self, payload, plan):
-    return fft_ops.fft_payload_nbytes(payload, plan.num_elements, self.theta,
-                                      self.exponent_bits, self.mantissa_bits,
-                                      self.final_theta)
+  def _nbytes(self, payload, plans):
+    (plan,) = plans
+    return tf.reshape(fft_ops.fft_payload_nbytes(payload, plan.num_elements, self.theta,
+                                                 self.exponent_bits, self.mantissa_bits,
+                                                 self.final_theta), [1])
 
   def get_config(self):
     return {**super().get_config(), "theta": self.theta, "final_theta": self.final_theta,

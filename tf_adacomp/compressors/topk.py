@@ -34,20 +34,22 @@ class TopK(base.Compressor):
   def init(self, plan):
     return () if plan.dense else (tf.zeros(plan.shape, base.residue_dtype(plan.dtype)),)
 
-  def _compress(self, grad, state, plan):
-    (residue,) = state
+  def _compress(self, grads, states, plans):
+    (grad,), ((residue,),) = grads, states
     payload, residue = topk_ops.topk_compress(grad, residue, self.density)
-    return payload, (residue,)
+    return payload, [(residue,)]
 
-  def _decompress(self, payload, plan):
-    return topk_ops.topk_decompress(payload, plan.shape, self.density, plan.dtype)
+  def _decompress(self, payload, plans):
+    (plan,) = plans
+    return [topk_ops.topk_decompress(payload, plan.shape, self.density, plan.dtype)]
 
-  def payload_width(self, plan):
+  def _width(self, plans):
+    (plan,) = plans
     return topk_ops.topk_payload_words(plan.num_elements, self.density)
 
-  def _payload_nbytes(self, payload, plan):
+  def _nbytes(self, payload, plans):
     payload = tf.convert_to_tensor(payload)
-    return tf.constant(4 * int(payload.shape[-1]), tf.int64)
+    return tf.constant([4 * int(payload.shape[-1])], tf.int64)
 
   def get_config(self):
     return {**super().get_config(), "density": self.density}

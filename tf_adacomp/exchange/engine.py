@@ -77,15 +77,16 @@ class Exchange:
     summable, gathered, shares, new_states = {}, {}, {}, list(states)
     present = [i for i, grad in enumerate(grads) if grad is not None]
     compact, warm = warm_up.buckets(self.compressor, plans, present, dense)
-    for i in present:
-      if plans[i].summable:
-        summable[i], new_states[i] = self.compressor.compress(grads[i], states[i], plans[i])
-    for bucket in compact:
+    # A summable gradient is a bucket of one, its payload all-reduced, not gathered.
+    for bucket in [(i,) for i in present if plans[i].summable] + compact:
       bucket_grads = [grads[i] for i in bucket]
       bucket_states = [states[i] for i in bucket]
-      payload, bucket_new = self.compressor.compress_bucket(
-          bucket_grads, bucket_states, [plans[i] for i in bucket])
-      share = self.compressor.bucket_nbytes(payload, [plans[i] for i in bucket])
+      bucket_plans = [plans[i] for i in bucket]
+      payload, bucket_new = self.compressor.compress(bucket_grads, bucket_states, bucket_plans)
+      if bucket_plans[0].summable:
+        summable[bucket[0]], new_states[bucket[0]] = payload, bucket_new[0]
+        continue
+      share = self.compressor.nbytes(payload, bucket_plans)
       used = tf.cast(tf.reduce_sum(share) // 4, tf.int32)
       if dense is not None:
         payload, used, bucket_new = _maybe_dense(dense, bucket_grads, payload, used,
@@ -231,11 +232,11 @@ class Exchange:
     sums = [None] * len(plans)
     for k, i in enumerate(out.summable):
       if incoming.summed is not None:
-        sums[i] = self.compressor.decompress(incoming.summed[k], plans[i])
+        (sums[i],) = self.compressor.decompress(incoming.summed[k], [plans[i]])
       else:
         rows = tf.ensure_shape(incoming.summable_rows[k], [replicas, *out.summable[i].shape])
         sums[i] = self.reduction.combine(
-            [self.compressor.decompress(rows[r], plans[i]) for r in range(replicas)])
+            [self.compressor.decompress(rows[r], [plans[i]])[0] for r in range(replicas)])
     if not out.gathered:
       return sums
     widths = [int(payload.shape[0]) for payload, _ in out.gathered.values()]
@@ -279,7 +280,7 @@ class Exchange:
     """
     nbytes = [None] * len(plans)
     for i, payload in out.summable.items():
-      nbytes[i] = self.compressor.payload_nbytes(payload, plans[i])
+      nbytes[i] = self.compressor.nbytes(payload, [plans[i]])[0]
     if out.gathered:
       # Hostile lengths are refused by ``decode``; a negative one counts as none here.
       bucket_nbytes = stats.exchange_nbytes(tf.maximum(incoming.lengths, 0))

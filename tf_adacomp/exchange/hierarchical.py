@@ -104,7 +104,7 @@ def _layout(exchange, plans, present, dense) -> Outgoing:
   gathered = {}
   for bucket in compact:
     bucket_plans = [plans[i] for i in bucket]
-    width = exchange.compressor.bucket_width(bucket_plans)
+    width = exchange.compressor.width(bucket_plans)
     if dense is not None:  # _maybe_dense: wide enough for the float32 gradients
       width = max(width, sum(plan.num_elements for plan in bucket_plans))
     gathered[bucket] = (tf.zeros([width], tf.int32), None)

@@ -35,11 +35,11 @@ def _maybe_dense(dense, grads, payload, used, states, new_states):
 def _decode(compressor, rows, plans, dense):
   """The sums of the contributions of a bucket's ``rows``, one per gradient, from
   compressed payloads or (warm-up) float32 words."""
-  width = compressor.bucket_width(plans)
+  width = compressor.width(plans)
   if dense is None:
-    return compressor.decompress_bucket(rows[:, :width], plans)
+    return compressor.decompress(rows[:, :width], plans)
   return tf.cond(dense, lambda: _dense_totals(rows, plans),
-                 lambda: compressor.decompress_bucket(rows[:, :width], plans))
+                 lambda: compressor.decompress(rows[:, :width], plans))
 
 
 def _dense_totals(rows, plans):
