@@ -56,6 +56,72 @@ def _states(optimizer):
   return [[c.numpy() for c in r.value.values] for state in optimizer.residues for r in state]
 
 
+# Every kind, in the order of the corruption selector below (index -1: no corruption).
+KINDS = ("count_above_capacity", "negative_count", "flipped_bits", "random_words",
+         *LENGTH_KINDS)
+
+
+@pytest.fixture(scope="module")
+def trained_model():
+  """``trained_model(exchange, start_step)``: ``(model, clean, corrupted, kind)`` for one
+  configuration, shared by its tests: a model of 2 replicas trained 4 clean steps
+  (residues and momentum non-zero) with ``clean``, its train function, then one more
+  with ``corrupted``, the same step traced with every kind of corruption behind a selector
+  (``kind``, an int variable: the index of the kind in ``KINDS``, -1 for none, as then).
+  Each configuration traces and compiles its step twice, rather than three times per
+  test.
+
+  Each test measures against the state it finds (weights and residues on entry) and
+  leaves the model trained one more clean step, so they may share it."""
+  models = {}
+
+  def get(exchange, start_step):
+    if (exchange, start_step) in models:
+      return models[exchange, start_step]
+    strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES)
+    (x, y), _ = digits_data.flat()
+    with strategy.scope():
+      model = digits_data.mlp(0, tf_adacomp.CompressedOptimizer(
+          keras.optimizers.SGD(0.1, momentum=0.9), tf_adacomp.AdaComp(min_size=100),
+          exchange=exchange, start_step=start_step))
+    model.fit(x[:256], y[:256], batch_size=64, epochs=1, verbose=0, shuffle=False)
+    clean = model.train_function
+    kind = tf.Variable(-1, dtype=tf.int32, trainable=False)
+    original = tf.distribute.ReplicaContext.all_gather
+
+    def all_gather(self, value, axis, options=None):
+      gathered = original(self, value, axis, options)
+      # The compact payloads' words go as one 1-D int32 buffer, their lengths as rank 2.
+      if not isinstance(gathered, tf.Tensor) or gathered.dtype != tf.int32:
+        return gathered
+      if gathered.shape.rank == 2:
+        candidates = [_corrupt_lengths(gathered, k) if k in LENGTH_KINDS else gathered
+                      for k in KINDS]
+      elif gathered.shape.rank == 1:
+        candidates = [gathered if k in LENGTH_KINDS else _corrupt(gathered, k) for k in KINDS]
+      else:
+        return gathered
+      # Every kind computed (a few small tensors), the chosen one taken. Not
+      # tf.switch_case: with its branch functions, a step traced once and called again
+      # after another trace failed with "Function NoOp is not defined" under a mutation
+      # of the guard, instead of at the assertion.
+      index = tf.where(kind < 0, len(KINDS), kind)
+      return tf.gather(tf.stack(candidates + [gathered]), index)
+
+    tf.distribute.ReplicaContext.all_gather = all_gather
+    try:
+      # Traced again, with the corruption selector (on its first call: a step with none).
+      model.make_train_function(force=True)
+      model.fit(x[256:320], y[256:320], batch_size=64, epochs=1, verbose=0, shuffle=False)
+      corrupted = model.train_function
+    finally:
+      tf.distribute.ReplicaContext.all_gather = original
+    models[exchange, start_step] = model, clean, corrupted, kind
+    return models[exchange, start_step]
+
+  return get
+
+
 # The kinds are spread over the two exchanges rather than crossed with them. All run
 # with --full: the fast tier has what they put together, the decoders' and the lengths'
 # checks (tests/ops/test_hostile_payloads.py, tests/test_exchange_lengths.py) and the
@@ -73,38 +139,29 @@ def _states(optimizer):
     # decode to a finite zero: only the exchange's own mark skips the step.
     pytest.param("updates", "lengths_exceed_data", 100, marks=pytest.mark.slow)])
 def test_a_corrupt_payload_skips_the_step_and_keeps_weights_and_residues(
-    monkeypatch, exchange, kind, start_step):
-  strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES)
+    trained_model, exchange, kind, start_step):
+  model, clean, corrupted, selected = trained_model(exchange, start_step)
   (x, y), _ = digits_data.flat()
-  with strategy.scope():
-    model = digits_data.mlp(0, tf_adacomp.CompressedOptimizer(
-        keras.optimizers.SGD(0.1, momentum=0.9), tf_adacomp.AdaComp(min_size=100),
-        exchange=exchange, start_step=start_step))
-  model.fit(x[:256], y[:256], batch_size=64, epochs=1, verbose=0, shuffle=False)
   weights, residues = model.get_weights(), _states(model.optimizer)
+  if start_step == 0:  # AdaComp from the first step: the residues hold something to keep
+    assert any(np.any(replica) for state in residues for replica in state), exchange
 
-  original = tf.distribute.ReplicaContext.all_gather
-
-  def all_gather(self, value, axis, options=None):
-    gathered = original(self, value, axis, options)
-    # The compact payloads' words go as one 1-D int32 buffer, their lengths as rank 2.
-    if not isinstance(gathered, tf.Tensor) or gathered.dtype != tf.int32:
-      return gathered
-    if kind in LENGTH_KINDS:
-      return _corrupt_lengths(gathered, kind) if gathered.shape.rank == 2 else gathered
-    return _corrupt(gathered, kind) if gathered.shape.rank == 1 else gathered
-
-  monkeypatch.setattr(tf.distribute.ReplicaContext, "all_gather", all_gather)
-  model.make_train_function(force=True)  # traced again, with the corruption
-  model.fit(x[256:320], y[256:320], batch_size=64, epochs=1, verbose=0, shuffle=False)
+  selected.assign(KINDS.index(kind))
+  model.train_function = corrupted  # the step traced with the corruption
+  try:
+    model.fit(x[256:320], y[256:320], batch_size=64, epochs=1, verbose=0, shuffle=False)
+  finally:
+    selected.assign(-1)
   for a, b in zip(weights, model.get_weights()):
-    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(a, b, err_msg=f"{kind}: the weights changed")
   for a, b in zip(residues, _states(model.optimizer)):
     for replica_a, replica_b in zip(a, b):
-      np.testing.assert_array_equal(replica_a, replica_b)
+      np.testing.assert_array_equal(replica_a, replica_b,
+                                    err_msg=f"{kind}: the residues changed")
 
-  monkeypatch.setattr(tf.distribute.ReplicaContext, "all_gather", original)
-  model.make_train_function(force=True)  # traced again, without the corruption
+  # The clean step again (traced before the corruption): the skipped step left a state
+  # that still trains.
+  model.train_function = clean
   model.fit(x[256:320], y[256:320], batch_size=64, epochs=1, verbose=0, shuffle=False)
   after = model.get_weights()
   assert all(np.isfinite(w).all() for w in after)
