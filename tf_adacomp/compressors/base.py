@@ -93,6 +93,12 @@ def residue_position(state, shape) -> Optional[int]:
   return None
 
 
+def dense_nbytes(payload) -> tf.Tensor:
+  """int64 ``[1]``: the bytes of a payload sent whole, every element in its dtype."""
+  payload = tf.convert_to_tensor(payload)
+  return tf.constant([payload.shape.num_elements() * payload.dtype.size], tf.int64)
+
+
 def residue_dtype(grad_dtype: tf.DType) -> tf.DType:
   """Residues accumulate many small updates: float32 at least, float64 for float64."""
   return tf.float64 if grad_dtype == tf.float64 else tf.float32
@@ -278,8 +284,7 @@ class Compressor(abc.ABC):
     """
     plans = _bucket_plans(plans)
     if plans[0].dense:
-      payload = tf.convert_to_tensor(payload)
-      return tf.constant([payload.shape.num_elements() * payload.dtype.size], tf.int64)
+      return dense_nbytes(payload)
     return self._nbytes(payload, plans)
 
   def buckets(self, plans: Sequence[TensorPlan]) -> List[Tuple[int, ...]]:

@@ -24,8 +24,7 @@ class _Dense(base.Compressor):
     return [tf.cast(payload, plan.dtype)]
 
   def _nbytes(self, payload, plans):
-    payload = tf.convert_to_tensor(payload)
-    return tf.constant([payload.shape.num_elements() * payload.dtype.size], tf.int64)
+    return base.dense_nbytes(payload)
 
 
 @registry.register("none")
