@@ -1136,9 +1136,17 @@ def compare(c: Config, ours: Run, reference: Run, how=None):
       f"{c.id}: iterations {ours.iterations} != reference {reference.iterations}")
 
 
-# Plain Keras' runs by the configuration they train (``_reference_key``): computed once
-# per process, shared by the configurations that differ only in the wrapper's arguments.
-_KERAS_REFERENCES: Dict[Config, Run] = {}
+# Reference runs by what they train: computed once per process, shared by the
+# configurations that differ only in the wrapper's own arguments (``computed_once``).
+_ONCE: Dict[Any, Any] = {}
+
+
+def computed_once(key, compute):
+  """``compute()``, once per process for each ``key``; a copy for each caller, so that
+  none sees another's arrays."""
+  if key not in _ONCE:
+    _ONCE[key] = compute()
+  return copy.deepcopy(_ONCE[key])
 
 
 def _reference_key(c: Config) -> Config:
@@ -1154,10 +1162,7 @@ def _reference_key(c: Config) -> Config:
 def keras_reference(c: Config, directory: str) -> Run:
   """``train(c, False, directory)``, once per process for each ``_reference_key``
   (a copy: no caller sees another's arrays)."""
-  key = _reference_key(c)
-  if key not in _KERAS_REFERENCES:
-    _KERAS_REFERENCES[key] = train(c, False, directory)
-  return copy.deepcopy(_KERAS_REFERENCES[key])
+  return computed_once(("keras", _reference_key(c)), lambda: train(c, False, directory))
 
 
 def check(c: Config, directory: str):

@@ -28,7 +28,6 @@ Configurations: pairwise over the axes below (``--full``); the fast tier runs th
 ``FAST_ROWS``.
 """
 
-import copy
 import dataclasses
 import os
 
@@ -200,18 +199,14 @@ def replay(c, start):
                     int(optimizers[0].iterations.numpy()))
 
 
-_PLAIN = {}
-
-
 def _plain(c, directory):
-  """``train(c, False, directory)`` once per process for each run it is: the exchange is
-  the wrapper's alone, and the SavedModel event only refuses the wrapper's save (the
-  plain run goes on uninterrupted, as with no event). A copy for each caller."""
+  """``train(c, False, directory)`` once per process for each run it is
+  (``oracle.computed_once``): the exchange is the wrapper's alone, and the SavedModel
+  event only refuses the wrapper's save (the plain run goes on uninterrupted, as with
+  no event)."""
   key = dataclasses.replace(c, exchange="updates",
                             event="none" if c.event == "savedmodel" else c.event)
-  if key not in _PLAIN:
-    _PLAIN[key] = train(c, False, directory)
-  return copy.deepcopy(_PLAIN[key])
+  return oracle.computed_once(("tf_keras", key), lambda: train(c, False, directory))
 
 
 def _linear(c):
