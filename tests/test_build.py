@@ -17,7 +17,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON_DIRS = ("tf_adacomp", "examples", "tests", "benchmarks")
 # Import names of the third-party packages, and their pip (requirement) names.
-PIP_NAMES = {"absl": "absl-py", "h5py": "h5py", "hypothesis": "hypothesis", "keras": "keras",
+PIP_NAMES = {"absl": "absl-py", "h5py": "h5py", "hypothesis": "hypothesis", "jax": "jax", "keras": "keras",
              "matplotlib": "matplotlib",
              "ml_dtypes": "ml-dtypes", "numpy": "numpy", "pytest": "pytest",
              "sklearn": "scikit-learn", "tensorboard": "tensorboard",

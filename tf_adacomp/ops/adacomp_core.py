@@ -40,6 +40,7 @@ import tensorflow as tf
 from tf_adacomp.ops import bitpack
 from tf_adacomp.ops import checks
 from tf_adacomp.ops import compaction
+from tf_adacomp.ops import variant
 
 SCALES = ("tensor", "bin")
 # Smaller encoder tiers, as fractions 1/d of the positions (see _packed_codes).
@@ -319,16 +320,21 @@ def _packed_codes(words, signs, cap: int, count, bits: int, index_of=None):
   ``signs``, G < 0), n/32 words each: XLA:CPU copies a conditional's operands into it.
   ``index_of`` maps buffer positions to the index a code carries (with several tensors,
   the position within its own); by default they are the same.
+
+  The GPU form (``ops.variant``) has no conditional: it encodes every slot and zeroes
+  those past the tier, which gives the same words.
   """
   full_words = bitpack.packed_words(cap, bits)
 
-  def encode(slots):
+  def encode(slots, kept=None):
     positions, _, _ = compaction.select_positions(words, slots)
     negative = tf.bitwise.bitwise_and(
         tf.bitwise.right_shift(tf.gather(signs, positions // compaction.WORD_BITS),
                                tf.cast(positions % compaction.WORD_BITS, tf.uint32)), 1)
     index = positions if index_of is None else index_of(positions)
     codes = tf.bitwise.bitwise_or(tf.bitwise.left_shift(tf.cast(index, tf.uint32), 1), negative)
+    if kept is not None:  # the slots of a smaller tier, and zeros after them
+      codes = tf.where(tf.range(slots) < kept, codes, tf.zeros_like(codes))
     packed = tf.bitcast(bitpack.pack(codes, bits), tf.int32)
     return tf.pad(tf.reshape(packed, [-1]), [[0, full_words - int(packed.shape[0])]])
 
@@ -336,6 +342,9 @@ def _packed_codes(words, signs, cap: int, count, bits: int, index_of=None):
     return tf.zeros([0], tf.int32)
   n = int(words.shape[0]) * compaction.WORD_BITS
   tiers = sorted({min(cap, -(-n // d)) for d in SLOT_TIERS} | {cap})
+  if variant.gpu_form(words):
+    tier_sizes = tf.constant(tiers, tf.int32)
+    return encode(cap, kept=tf.reduce_min(tf.where(count <= tier_sizes, tier_sizes, cap)))
 
   def smallest_tier_from(i):
     if i == len(tiers) - 1:
@@ -431,7 +440,8 @@ def add_codes(total, words, count, counts, scales, lay: Layout):
 
   A while loop unpacks and adds ``DECODE_CHUNK`` codes per iteration, for as many
   iterations as ``count`` needs (the codes are packed in order): decoding costs the codes
-  sent, not the capacity, plus the zero fill of ``total``. A loop rather than tiers of a
+  sent, not the capacity, plus the zero fill of ``total``. The GPU form (``ops.variant``)
+  adds every chunk at once, with no loop. A loop rather than tiers of a
   conditional: with ``total`` passing through a switch, XLA:CPU copied the sum into and
   out of the conditional, which cost more than the decoding (docs/performance.md). A
   row's positions are distinct, so adding them in chunks equals adding them at once, and
@@ -460,10 +470,11 @@ def add_codes(total, words, count, counts, scales, lay: Layout):
   padded = tf.pad(words, [[0, max(iterations * chunk_words - int(words.shape[0]), 0)]])
   steps = (tf.clip_by_value(count, 0, cap) + chunk - 1) // chunk
 
-  def add(i, total):
-    codes = bitpack.unpack(tf.slice(padded, [i * chunk_words], [chunk_words]), chunk, bits)
+  def add(i, total, chunks=1):  # chunks i, ..., i + chunks - 1
+    codes = bitpack.unpack(tf.slice(padded, [i * chunk_words], [chunks * chunk_words]),
+                           chunks * chunk, bits)
     local = tf.cast(tf.bitwise.right_shift(codes, 1), tf.int32)
-    ordinals = i * chunk + tf.range(chunk, dtype=tf.int32)
+    ordinals = i * chunk + tf.range(chunks * chunk, dtype=tf.int32)
     tensor, inside = _locate(ordinals, local, counts, lay)
     # min(count, cap): a corrupt count above the capacity must not turn the padding
     # after it into codes.
@@ -479,6 +490,8 @@ def add_codes(total, words, count, counts, scales, lay: Layout):
     return i + 1, tf.tensor_scatter_nd_add(total, tf.where(valid, positions, lay.total)[:, None],
                                            tf.where(valid, values, tf.zeros_like(values)))
 
+  if variant.gpu_form(total):
+    return add(tf.constant(0), total, chunks=iterations)[1]
   _, total = tf.while_loop(lambda i, _: i < steps, add, (tf.constant(0), total),
                            maximum_iterations=iterations)
   return total
