@@ -22,9 +22,10 @@ other half of the trade that benchmarks/network.py measures on a link.
 
 ``--export`` is for a device whose machine has no TensorFlow: it writes each program as
 TensorFlow hands it to XLA (serialized HLO, lzma-compressed), with its input specs and,
-at the smallest size, TensorFlow's outputs; ``benchmarks/gpu_xla.py DIR`` then compiles
-and times them there with JAX's XLA and writes the same tables. Writes out/gpu.json and
-out/gpu.md.
+at the smallest size, digests of TensorFlow's outputs; ``benchmarks/gpu_xla.py DIR``
+then compiles and times them there with JAX's XLA and writes the same tables
+(docs/gpu.md). ``--forms cpu,gpu`` measures both forms of the kernels
+(``tf_adacomp.ops.variant``) side by side. Writes out/gpu.json and out/gpu.md.
 """
 
 import argparse
@@ -62,15 +63,6 @@ def parse_size(text):
   if value < 1:
     raise ValueError(f"`--sizes` takes positive sizes such as 1M or 64K. Received: {text!r}")
   return value
-
-
-def make_array(spec):
-  """The NumPy array an input spec describes (float32 for float specs, cast later)."""
-  rng = np.random.default_rng(spec["seed"])
-  if spec["init"] == "integers":
-    return rng.integers(0, spec["high"], size=spec["shape"], dtype=np.int32)
-  array = rng.standard_normal(size=spec["shape"], dtype=np.float32)
-  return (spec["mean"] + spec["std"] * array).astype(np.float32)
 
 
 def _spec(shape, dtype, seed, **init):
@@ -240,19 +232,20 @@ def _inputs(program, outputs):
     if spec["init"] == "output":
       payload = tf.nest.flatten(outputs[spec["of"]])[spec["index"]]
       return tf.stack([payload] * spec["rows"])
-    return tf.cast(tf.constant(make_array(spec)), spec["dtype"])
+    return tf.cast(tf.constant(gpu_report.make_array(spec)), spec["dtype"])
 
   return [one(s) for s in program.specs]
 
 
 def _sync(result):
-  for t in tf.nest.flatten(result):
-    t.numpy()  # the result is on the host: every call before it has finished
+  # One program's outputs are ready together: bring its smallest to the host (not the
+  # weights of a step), after which every call before it has finished.
+  min(tf.nest.flatten(result), key=lambda t: t.shape.num_elements()).numpy()
 
 
 def time_program(program, args, repeats, device):
   """First call (tracing + compile) seconds, median seconds per call, peak bytes."""
-  gpu = device.startswith("/device:GPU") or "GPU" in device
+  gpu = "GPU" in device
   if gpu:
     tf.config.experimental.reset_memory_stats(device.split("device:")[-1])
   start = time.perf_counter()
@@ -280,6 +273,11 @@ def time_program(program, args, repeats, device):
 
 
 def all_programs(args):
+  """Every program the arguments ask for: the steps first, then the kernels by size.
+
+  Raises:
+    ValueError: a form, dtype, size or model that is not known, named.
+  """
   forms = args.forms.split(",")
   for form in forms:
     if form not in ("auto",) + variant.FORMS:

@@ -1,8 +1,9 @@
-"""The tables of benchmarks/gpu.py, from its programs and their timings (no TensorFlow).
+"""What benchmarks/gpu.py and gpu_xla.py share, without TensorFlow: inputs, digests, tables.
 
 Both ways of measuring, ``gpu.py`` with TensorFlow and ``gpu_xla.py`` with the
-exported XLA programs, time the same list of programs (``gpu.py``'s manifest) and hand
-their timings here, so that the two write the same JSON and Markdown.
+exported XLA programs, make the same inputs from the same specs (``make_array``), time
+the same list of programs (``gpu.py``'s manifest) and hand their timings here, so that
+the two write the same JSON and Markdown.
 
 A kernel's figure is its floor bytes (what it must read and write at least: for
 compress, the gradient and the residue read and the residue written) over its time, as
@@ -19,6 +20,16 @@ import numpy as np
 
 # How the tables name a kernel form (tf_adacomp.ops.variant).
 FORM_NAMES = {"auto": "the device's", "cpu": "CPU form", "gpu": "GPU form"}
+
+
+def make_array(spec):
+  """The NumPy array an input spec describes: ``init="integers"`` below ``high``, or
+  ``"normal"`` with ``mean`` and ``std`` (float32, cast by the caller)."""
+  rng = np.random.default_rng(spec["seed"])
+  if spec["init"] == "integers":
+    return rng.integers(0, spec["high"], size=spec["shape"], dtype=np.int32)
+  array = rng.standard_normal(size=spec["shape"], dtype=np.float32)
+  return (spec["mean"] + spec["std"] * array).astype(np.float32)
 
 
 def digest(array):

@@ -41,15 +41,6 @@ def _jax():
   return jax, xla_bridge, xla_client
 
 
-def make_array(spec):
-  """gpu.py's ``make_array``: the same NumPy array from the same spec."""
-  rng = np.random.default_rng(spec["seed"])
-  if spec["init"] == "integers":
-    return rng.integers(0, spec["high"], size=spec["shape"], dtype=np.int32)
-  array = rng.standard_normal(size=spec["shape"], dtype=np.float32)
-  return (spec["mean"] + spec["std"] * array).astype(np.float32)
-
-
 class Runner:
   """Compiles HLO programs for one device and runs them."""
 
@@ -81,7 +72,7 @@ class Runner:
         payload = outputs[spec["of"]][spec["index"]]
         flat.append(self.jax.numpy.stack([payload] * spec["rows"]))
       else:
-        flat.append(self.put(make_array(spec), spec["dtype"]))
+        flat.append(self.put(gpu_report.make_array(spec), spec["dtype"]))
 
     for spec in entry["specs"]:
       one(spec)

@@ -20,3 +20,8 @@ def kernel(fn, **static):
 def _kernel(fn, form, **static):
   del form  # part of the cache key only
   return tf.function(functools.partial(fn, **static), jit_compile=True, autograph=False)
+
+
+def programs() -> int:
+  """How many compiled kernels (kernel, static setting and form) this process made."""
+  return _kernel.cache_info().currsize
