@@ -4,9 +4,9 @@ A few of AdaComp's steps skip work by control flow: the encoder encodes only the
 smallest tier of slots that holds what is sent (``tf.cond``), the decoder unpacks and
 adds only the chunks that hold codes (``tf.while_loop``). On XLA:CPU that saves the
 work. On XLA:GPU every conditional and every loop iteration waits for its predicate on
-the host, a round trip of tens of microseconds: measured on an H100, the ResNet-50
-step with AdaComp took 8x the dense step, most of it in the decoder's 2,490 iterations
-(docs/gpu.md). The GPU form does the same arithmetic without the control flow: it
+the host, a round trip of tens of microseconds: on an H100 the decoder's iterations
+made most of a compressed ResNet-50 step (docs/gpu.md). The GPU form does the same
+arithmetic without the control flow: it
 encodes the full capacity and keeps the tier's slots, and adds every chunk at once.
 The two give bit-identical payloads and sums (tests/ops/test_variant.py).
 
@@ -50,7 +50,8 @@ def forced(form: str):
   """Within this block, kernels traced are built in ``form`` whatever their device.
 
   For tests (each form on CPU) and for benchmarks that export a GPU program from a
-  machine without a GPU. A ``tf.function`` traced inside the block keeps its form.
+  machine without a GPU. Process-wide, not per thread; a ``tf.function`` traced inside
+  the block keeps its form.
 
   Args:
     form: ``"cpu"`` or ``"gpu"``.
