@@ -124,15 +124,25 @@ def test_the_command_is_quiet_unless_verbose(console_train):
   assert "3/3" in result.stdout  # Keras' progress bar stays
 
 
-def test_verbose_is_an_option_before_the_command_or_a_log_level_the_user_set(monkeypatch):
-  """conftest sets TF_CPP_MIN_LOG_LEVEL, which alone makes the command verbose: unset here."""
-  monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
-  assert quiet.wants_verbose(["--verbose", "train", "fashion_mnist"])
-  assert not quiet.wants_verbose(["train", "fashion_mnist", "--verbose=1"])  # train's flag
-  assert not quiet.wants_verbose(["train", "--verbose"])
-  assert not quiet.wants_verbose([])
-  monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "0")
-  assert quiet.wants_verbose(["train", "fashion_mnist", "--verbose=1"])
+def test_verbose_is_an_option_before_the_command_or_a_log_level_the_user_set():
+  """conftest sets TF_CPP_MIN_LOG_LEVEL, which alone makes the command verbose: the
+  user's environment is given here."""
+  user = {"HOME": "/home/u"}
+  assert quiet.wants_verbose(["--verbose", "train", "fashion_mnist"], user)
+  assert not quiet.wants_verbose(["train", "fashion_mnist", "--verbose=1"], user)  # train's
+  assert not quiet.wants_verbose(["train", "--verbose"], user)
+  assert not quiet.wants_verbose([], user)
+  assert quiet.wants_verbose(["train", "fashion_mnist", "--verbose=1"],
+                             dict(user, TF_CPP_MIN_LOG_LEVEL="0"))
+
+
+def test_a_log_level_set_after_start_up_is_not_the_users(monkeypatch):
+  """Where JAX is installed, importing TensorFlow imports it, and JAX sets
+  TF_CPP_MIN_LOG_LEVEL: the command must stay quiet (the environment it started with
+  decides)."""
+  monkeypatch.setattr(quiet, "STARTING_ENVIRON", {"HOME": "/home/u"})
+  monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "1")  # as JAX's import does
+  assert not quiet.wants_verbose(["train", "fashion_mnist"])
 
 
 def test_the_demo_figure_says_dense_and_draws_the_ratio_on_a_linear_scale(tmp_path,

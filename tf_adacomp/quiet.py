@@ -43,14 +43,29 @@ def is_start_up_noise(line: str) -> bool:
   return line.startswith(_NOISY_LINES)
 
 
-def wants_verbose(argv) -> bool:
-  """``--verbose`` before the command, or a TF_CPP_MIN_LOG_LEVEL the user chose."""
+# The environment the process started with, read when this module loads, before
+# TensorFlow: where JAX is installed TensorFlow imports it (tf.lite), and JAX's import
+# sets TF_CPP_MIN_LOG_LEVEL, which must not read as the user's choice.
+STARTING_ENVIRON = dict(os.environ)
+
+
+def wants_verbose(argv, environ=None) -> bool:
+  """``--verbose`` before the command, or a TF_CPP_MIN_LOG_LEVEL the user chose.
+
+  Args:
+    argv: the command's arguments, without the program.
+    environ: the user's environment; by default the process's as it started.
+
+  Returns:
+    Whether TensorFlow's start-up lines are to be shown.
+  """
+  environ = STARTING_ENVIRON if environ is None else environ
   options = []
   for arg in argv:
     if not arg.startswith("-"):
       break
     options.append(arg)
-  return "--verbose" in options or "TF_CPP_MIN_LOG_LEVEL" in os.environ
+  return "--verbose" in options or "TF_CPP_MIN_LOG_LEVEL" in environ
 
 
 def is_this_command() -> bool:
