@@ -106,6 +106,42 @@ def compare(outputs, reference):
   return not differing, differing
 
 
+def measure(runner, entry, outputs, args):
+  """One program: compiled, run (its outputs kept in ``outputs``), then timed and
+  compared with TensorFlow's outputs; with ``--profile`` run once more, untimed, and
+  its optimised HLO written (returns None)."""
+  name = entry["name"]
+  with open(os.path.join(args.directory, name + ".hlo.xz"), "rb") as f:
+    proto = lzma.decompress(f.read())
+  start = time.perf_counter()
+  executable = runner.compile(proto)
+  inputs = runner.inputs(entry, outputs)
+  result = executable.execute(inputs)
+  runner.sync(result)
+  compile_s = time.perf_counter() - start
+  outputs[name] = result
+  if args.profile:
+    folder = os.path.dirname(args.json) or "."
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, name + ".optimised.hlo.txt")
+    with open(path, "w") as f:
+      f.write(executable.hlo_modules()[0].to_string())
+    runner.sync(executable.execute(inputs))  # once more, compiled and loaded
+    print(f"{name}: ran; its optimised HLO is in {path}", flush=True)
+    return None
+  seconds, calls = runner.time(executable, inputs, args.repeats)
+  stats = executable.get_compiled_memory_stats()
+  timing = {"seconds": seconds, "compile_s": compile_s, "calls": calls,
+            "peak_bytes": int(stats.argument_size_in_bytes + stats.output_size_in_bytes
+                              + stats.temp_size_in_bytes - stats.alias_size_in_bytes)}
+  if entry.get("reference"):
+    timing["identical"], timing["outputs_differing"] = compare(result, entry["reference"])
+  print(f"{name}: {1e3 * seconds:.3f} ms, first call {compile_s:.2f} s"
+        + (f", identical {timing['identical']}" if "identical" in timing else ""),
+        flush=True)
+  return timing
+
+
 def machine_info(runner):
   info = {"device": getattr(runner.device, "device_kind", str(runner.device)),
           "runtime": f"XLA of JAX {runner.jax.__version__} on {runner.device.platform}, "
@@ -138,10 +174,14 @@ def main():
   parser.add_argument("--json", default="out/gpu.json")
   parser.add_argument("--markdown", default="out/gpu.md")
   args = parser.parse_args()
+  if args.repeats < 1:
+    parser.error(f"`--repeats` must be >= 1. Received: {args.repeats}")
+  if args.budget_s < 0:
+    parser.error(f"`--budget_s` must be >= 0. Received: {args.budget_s}")
   manifest_path = os.path.join(args.directory, "manifest.json")
   if not os.path.exists(manifest_path):
     parser.error(f"`directory` must hold gpu.py --export's manifest.json. Received: "
-                 f"{args.directory!r}")
+                 f"directory={args.directory!r}")
   with open(manifest_path) as f:
     manifest = json.load(f)
   runner = Runner()
@@ -164,35 +204,9 @@ def main():
       timings[name] = {"error": f"not run: past --budget_s={args.budget_s}"}
       continue
     try:
-      with open(os.path.join(args.directory, name + ".hlo.xz"), "rb") as f:
-        proto = lzma.decompress(f.read())
-      start = time.perf_counter()
-      executable = runner.compile(proto)
-      inputs = runner.inputs(entry, outputs)
-      result = executable.execute(inputs)
-      runner.sync(result)
-      compile_s = time.perf_counter() - start
-      outputs[name] = result
-      if args.profile:
-        folder = os.path.dirname(args.json) or "."
-        os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, name + ".optimised.hlo.txt")
-        with open(path, "w") as f:
-          f.write(executable.hlo_modules()[0].to_string())
-        runner.sync(executable.execute(inputs))  # once more, compiled and loaded
-        print(f"{name}: ran; its optimised HLO is in {path}", flush=True)
-        continue
-      seconds, calls = runner.time(executable, inputs, args.repeats)
-      stats = executable.get_compiled_memory_stats()
-      timing = {"seconds": seconds, "compile_s": compile_s, "calls": calls,
-                "peak_bytes": int(stats.argument_size_in_bytes + stats.output_size_in_bytes
-                                  + stats.temp_size_in_bytes - stats.alias_size_in_bytes)}
-      if entry.get("reference"):
-        timing["identical"], timing["outputs_differing"] = compare(result, entry["reference"])
-      timings[name] = timing
-      print(f"{name}: {1e3 * seconds:.3f} ms, first call {compile_s:.2f} s"
-            + (f", identical {timing['identical']}" if "identical" in timing else ""),
-            flush=True)
+      timing = measure(runner, entry, outputs, args)
+      if timing:
+        timings[name] = timing
     except Exception as e:  # pylint: disable=broad-except
       # One program that XLA refuses on this device is a finding, not the end of the run.
       timings[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}

@@ -67,12 +67,16 @@ def test_bad_arguments_are_named(change, named):
     gpu.all_programs(args)
 
 
-def test_the_xla_runner_names_a_folder_without_a_manifest(tmp_path):
+@pytest.mark.parametrize("flags,named", [
+    ([], "directory="), (["--repeats=0"], "repeats` must be >= 1. Received: 0"),
+    (["--budget_s=-1"], "budget_s` must be >= 0. Received: -1")])
+def test_the_xla_runner_names_a_bad_argument(tmp_path, flags, named):
+  """Before JAX loads: a fraction of a second."""
   result = subprocess.run(
       [sys.executable, os.path.join(benchmark_scripts.BENCHMARKS_DIR, "gpu_xla.py"),
-       str(tmp_path)], capture_output=True, text=True, env=ENV, timeout=120, check=False)
-  assert result.returncode == 2 and "directory" in result.stderr and str(tmp_path) in \
-      result.stderr
+       str(tmp_path), *flags], capture_output=True, text=True, env=ENV, timeout=120,
+      check=False)
+  assert result.returncode == 2 and named in result.stderr, result.stderr
 
 
 @pytest.mark.slow  # a benchmark's run (tests/conftest.py)
