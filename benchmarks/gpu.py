@@ -34,7 +34,6 @@ import json
 import lzma
 import os
 import platform
-import statistics
 import time
 
 import numpy as np
@@ -253,19 +252,8 @@ def time_program(program, args, repeats, device):
     result = program.fn(*args)
   _sync(result)
   compile_s = time.perf_counter() - start
-  start = time.perf_counter()
-  _sync(program.fn(*args))
-  # Calls back to back in each timed round, so that a fast kernel is not timed by the
-  # host's launch latency alone: about 20 ms of work per round.
-  calls = max(1, min(200, int(0.02 / max(time.perf_counter() - start, 1e-6))))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    for _ in range(calls):
-      out = program.fn(*args)
-    _sync(out)
-    times.append((time.perf_counter() - start) / calls)
-  timing = {"seconds": statistics.median(times), "compile_s": compile_s, "calls": calls}
+  seconds, calls = gpu_report.time_calls(lambda: program.fn(*args), _sync, repeats)
+  timing = {"seconds": seconds, "compile_s": compile_s, "calls": calls}
   if gpu:
     timing["peak_bytes"] = tf.config.experimental.get_memory_info(
         device.split("device:")[-1])["peak"]

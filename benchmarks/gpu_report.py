@@ -15,6 +15,8 @@ the same model in the same run.
 import hashlib
 import json
 import os
+import statistics
+import time
 
 import numpy as np
 
@@ -30,6 +32,23 @@ def make_array(spec):
     return rng.integers(0, spec["high"], size=spec["shape"], dtype=np.int32)
   array = rng.standard_normal(size=spec["shape"], dtype=np.float32)
   return (spec["mean"] + spec["std"] * array).astype(np.float32)
+
+
+def time_calls(call, sync, repeats):
+  """Median seconds per ``call()``, and the calls per round: rounds of calls back to
+  back (about 20 ms of work each, so that a fast kernel is not timed by the host's
+  launch latency alone), each ended by ``sync(last result)``."""
+  start = time.perf_counter()
+  sync(call())
+  calls = max(1, min(200, int(0.02 / max(time.perf_counter() - start, 1e-6))))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    for _ in range(calls):
+      out = call()
+    sync(out)
+    times.append((time.perf_counter() - start) / calls)
+  return statistics.median(times), calls
 
 
 def digest(array):

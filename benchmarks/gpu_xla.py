@@ -23,7 +23,6 @@ import json
 import lzma
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -84,18 +83,8 @@ class Runner:
       out.block_until_ready()
 
   def time(self, executable, args, repeats):
-    """Median seconds per call, in rounds of calls back to back (as gpu.py)."""
-    start = time.perf_counter()
-    self.sync(executable.execute(args))
-    calls = max(1, min(200, int(0.02 / max(time.perf_counter() - start, 1e-6))))
-    times = []
-    for _ in range(repeats):
-      start = time.perf_counter()
-      for _ in range(calls):
-        out = executable.execute(args)
-      self.sync(out)
-      times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times), calls
+    """Median seconds per call and calls per round (``gpu_report.time_calls``)."""
+    return gpu_report.time_calls(lambda: executable.execute(args), self.sync, repeats)
 
 
 def compare(outputs, reference):
