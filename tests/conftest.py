@@ -38,22 +38,38 @@ if _PERSISTENT_CACHE in os.environ.get("TF_XLA_FLAGS", ""):
       if not flag.startswith(_PERSISTENT_CACHE))
 
 # The tests compile hundreds of small XLA programs, most run a few times on small
-# tensors: LLVM's optimisation passes cost more compile time than they save there (about
-# a fifth of a kernel test file's CPU time). Set before TensorFlow reads XLA_FLAGS; the
-# processes the tests start inherit it.
-_XLA_OPT = "--xla_backend_optimization_level"
-if _XLA_OPT not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_XLA_OPT}=0".strip()
-
-import tensorflow as tf  # noqa: E402  pylint: disable=g-import-not-at-top
+# tensors, where compiling costs more than running:
+# - LLVM's optimisation passes cost more compile time than they save (about a fifth of
+#   a kernel test file's CPU time);
+# - XLA:CPU's MLIR fusion emitters compile slower than its LLVM IR ones (measured on
+#   tests/ops/test_adacomp.py's fast tier: 67 CPU-s with them, 42 without; the same
+#   tests pass).
+# Set before TensorFlow reads XLA_FLAGS; the processes the tests start inherit them. A
+# flag the user set wins.
+for _flag, _value in (("--xla_backend_optimization_level", "0"),
+                      ("--xla_cpu_use_fusion_emitters", "false")):
+  if _flag not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}={_value}".strip()
 
 import tiers  # noqa: E402  (tests/, on sys.path as for every test module)
 
 LOGICAL_CPUS = 4
 
-_cpus = tf.config.list_physical_devices("CPU")
-tf.config.set_logical_device_configuration(
-    _cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(LOGICAL_CPUS)])
+
+def split_cpu():
+  """Makes ``LOGICAL_CPUS`` logical CPU devices (before TensorFlow's runtime starts)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  cpus = tf.config.list_physical_devices("CPU")
+  tf.config.set_logical_device_configuration(
+      cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(LOGICAL_CPUS)])
+
+
+def _runs_tests(config) -> bool:
+  """False in pytest-xdist's controller, which hands tests to its workers and runs none:
+  it need not import TensorFlow (6-8 s before the workers start)."""
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    return True
+  return not getattr(config.option, "numprocesses", None)
 
 
 def pytest_addoption(parser):
@@ -63,6 +79,8 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
   tiers.record(config.getoption("--full"))
+  if _runs_tests(config):
+    split_cpu()
   config.addinivalue_line(
       "markers", "slow: several processes, an example's or a benchmark's run, packaging; "
       "runs only with --full")

@@ -1277,7 +1277,8 @@ if __name__ == "__main__":
   import sys
   import tempfile
   sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-  import conftest  # noqa: F401  (4 logical CPUs)  pylint: disable=unused-import
+  import conftest  # pylint: disable=g-import-not-at-top
+  conftest.split_cpu()
   for text in sys.argv[2:]:
     with tempfile.TemporaryDirectory() as tmp:
       if sys.argv[1] == "minimize":
