@@ -97,9 +97,9 @@ def test_a_saved_file_restores_the_optimizer_state_with_and_without_a_strategy(
       np.testing.assert_allclose(found[name], value, rtol=1e-6, atol=1e-7, err_msg=name)
     replicas = loaded_on or 1
     for residue in (r for state in optimizer.residues for r in state):
-      if fmt == "keras" and loaded_on == saved_on:
+      if loaded_on == saved_on:
         # As many replicas (2): each gets its own residue back (tf_adacomp.replica_state;
-        # the .h5 format cannot keep the copies: the sum split evenly, below).
+        # an .h5 file keeps the copies as entries of their own, tf_keras_saving.h5_copies).
         for share, expected in zip(_shares(residue), own[residue.name]):
           np.testing.assert_array_equal(share, expected, err_msg=residue.name)
         continue
@@ -210,6 +210,11 @@ def test_a_file_of_another_optimizer_is_refused_not_dropped():
     optimizer.load_own_variables({"0": np.array(7, np.int64)})  # a step counter, 7
   with pytest.raises(ValueError, match=rf"has {count} variables .* has 1\b"):
     optimizer.set_weights([np.array(7, np.int64)])
+  # Values beyond the variables that are not an .h5 file's copies of the per-replica
+  # state (one per residue and slot, with a leading replica axis) are refused too.
+  extra = [np.ones([2, *v.shape], v.dtype.as_numpy_dtype) for v in optimizer.variables]
+  with pytest.raises(ValueError, match=rf"has {count} variables .* has {2 * count}\b"):
+    optimizer.set_weights([v.numpy() for v in optimizer.variables] + extra)
   # An optimizer saved before its first step holds nothing to lose: this one stays.
   optimizer.load_own_variables({"0": np.array(0, np.int64)})
   assert int(optimizer.iterations.numpy()) == 0

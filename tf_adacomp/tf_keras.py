@@ -39,13 +39,13 @@ the weights nor the residues.
 The residues are the wrapper's variables, one value per replica: a ``tf.train.Checkpoint``
 of the model or optimizer (``ModelCheckpoint``, ``BackupAndRestore``,
 ``model.save_weights``) stores their sum and a restore splits it over the replicas then
-present, as in the Keras 3 wrapper. With 2+ replicas a checkpoint and a ``.keras`` file
-also keep every replica's own copy of each per-replica state (residues, slots:
-``tf_adacomp.replica_state``), which a restore onto as many replicas gives back to each,
-so that the resumed run is the one that was saved; the legacy ``.h5`` format cannot
-(tf_keras writes its optimizer entries from ``variables`` and reads them back through
-``set_weights``): from it every replica gets the slots' mean and an even share of the
-residues' sum. ``model.save`` to a ``.keras`` or ``.h5`` file keeps
+present, as in the Keras 3 wrapper. With 2+ replicas a checkpoint, a ``.keras`` and an
+``.h5`` file also keep every replica's own copy of each per-replica state (residues,
+slots: ``tf_adacomp.replica_state``; in ``.h5``, entries after the variables,
+``tf_keras_saving.h5_copies``), which a restore onto as many replicas gives back to
+each, so that the resumed run is the one that was saved; onto another number, every
+replica gets the slots' mean and an even share of the residues' sum. ``model.save`` to a
+``.keras`` or ``.h5`` file keeps
 the same state (the residues' sum, the inner optimizer's step counter and slots) and
 ``tf_keras.models.load_model`` restores it, with or without a strategy scope
 (``load_weights`` into a model whose optimizer has not stepped yet keeps the state until
@@ -80,6 +80,7 @@ from tf_adacomp import tf_keras_saving
 from tf_adacomp import replica_steps
 from tf_adacomp import wrapper_config
 from tf_adacomp import wrapper_stats
+from tf_adacomp.compat import internals
 from tf_adacomp.compressors import registry
 from tf_adacomp.ops import checks
 from tf_adacomp.steps import gradients as gradients_step
@@ -255,9 +256,17 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.ByteCounts,
 
   @property
   def variables(self):
-    """The wrapper's variables (residues, ``bytes_sent``), then the inner optimizer's."""
+    """The wrapper's variables (residues, ``bytes_sent``), then the inner optimizer's.
+
+    tf_keras' legacy ``.h5`` writer, which stores this list and nothing else of an
+    optimizer, gets each replica's copies of the per-replica state after it
+    (``tf_keras_saving.Saving``), so that a resume on as many replicas is exact there too.
+    """
     inner = self.inner_optimizer.variables
-    return list(self._variables) + list(inner() if callable(inner) else inner)
+    variables = list(self._variables) + list(inner() if callable(inner) else inner)
+    if internals.called_by_tf_keras_h5_writer():
+      return variables + tf_keras_saving.h5_copies(variables)
+    return variables
 
   # --- Applying gradients ----------------------------------------------------------
 

@@ -1,7 +1,11 @@
 """Saving and loading the tf_keras wrapper (``tf_adacomp.tf_keras.CompressedOptimizer``):
 ``set_weights`` and ``.h5`` / ``.keras`` files (the residues' sum, the inner optimizer's
-step counter and slots; each replica's own copies in ``.keras``), checkpoints, and the
-SavedModel that is refused (tf_keras' loader would drop the optimizer's state)."""
+step counter and slots, and each replica's own copies), checkpoints, and the SavedModel
+that is refused (tf_keras' loader would drop the optimizer's state).
+
+In an ``.h5`` file the copies are entries of their own after the optimizer's variables
+(``h5_copies``): tf_keras' writer stores ``optimizer.variables`` and its loader hands
+the stored values back, in that order, to ``set_weights``."""
 
 import numpy as np
 import tensorflow as tf
@@ -70,8 +74,11 @@ class Saving:
 
   def _assign_state(self, values, source):
     """Sets ``variables`` from ``values`` (NumPy arrays, their saved cross-replica
-    values) in order, or refuses, naming what would be lost."""
+    values) in order, then each replica's own copies where ``values`` ends with those
+    of as many replicas (an ``.h5`` file's, ``h5_copies``), or refuses, naming what
+    would be lost."""
     variables = self.variables
+    values, copies = _split_copies(variables, values)
     if len(values) != len(variables):
       if not any(np.any(v) for v in values):
         return  # an optimizer saved before its first step: its state is the initial one
@@ -90,6 +97,12 @@ class Saving:
     replicas = self._distribution_strategy.num_replicas_in_sync
     for variable, value in zip(variables, values):
       set_every_replica(variable, value, replicas)
+    per_replica = replica_state.per_replica(variables)
+    if len(copies) == len(per_replica) and all(
+        replica_state.fits(v, c.shape) for v, c in zip(per_replica, copies)):
+      for variable, value in zip(per_replica, copies):
+        replica_state.assign_copies(variable, value)
+    # Else copies of another replica count (or none): the mean (or the split sum) stands.
 
   def _trackable_children(self, save_type="checkpoint", **kwargs):
     """The wrapper's attributes (``inner_optimizer``, ``residues``, ``bytes_sent``) for a
@@ -149,3 +162,49 @@ def set_every_replica(variable, value, replicas):
       copy.assign(value)
   else:
     variable.assign(value)
+
+
+class _H5Entry:
+  """What tf_keras' ``.h5`` writer reads of an entry of ``optimizer.variables``."""
+
+  def __init__(self, name, value):
+    self.name = name
+    self._value = value
+
+  def numpy(self):
+    return self._value
+
+
+H5_COPIES_NAME = "replica_copies"
+
+
+def h5_copies(variables):
+  """Entries for tf_keras' ``.h5`` writer: for each variable of ``variables`` that
+  ``replica_state.is_per_replica``, in order, its copies ``[replicas, *shape]``, named
+  ``replica_copies_<i>`` (none with one replica)."""
+  return [_H5Entry(f"{H5_COPIES_NAME}_{i}", replica_state.copies(v).numpy())
+          for i, v in enumerate(replica_state.per_replica(variables))]
+
+
+def _kept_per_replica(variable) -> bool:
+  """Whether ``variable`` is of the kind whose copies a save of 2+ replicas keeps (on-read,
+  summed or averaged), whatever the number of replicas now."""
+  return (variable.synchronization == tf.VariableSynchronization.ON_READ
+          and variable.aggregation in (tf.VariableAggregation.SUM,
+                                       tf.VariableAggregation.MEAN))
+
+
+def _split_copies(variables, values):
+  """``values`` as (one per variable, the copies after them): the values beyond
+  ``variables`` are an ``.h5`` file's copies when there is one for each variable that
+  keeps them, of its shape with a leading replica axis; else nothing is split off (and
+  the count check refuses the values)."""
+  extra = values[len(variables):]
+  if not extra:
+    return values, []
+  kinds = [v for v in variables if _kept_per_replica(v)]
+  if len(extra) != len(kinds) or any(
+      e.ndim != len(v.shape) + 1 or tuple(e.shape[1:]) != tuple(v.shape)
+      for e, v in zip(extra, kinds)):
+    return values, []
+  return values[:len(variables)], extra

@@ -177,6 +177,30 @@ def _result_lines_of_a_fresh_process(code):
           result.stderr[-2000:])
 
 
+def test_called_by_tf_keras_h5_writer_is_true_inside_the_writer_alone():
+  import h5py  # pylint: disable=g-import-not-at-top
+  import tf_keras  # pylint: disable=g-import-not-at-top
+  name = f"`{internals.TF_KERAS_H5_MODULE}.{internals.TF_KERAS_H5_WRITER}`"
+  user = "internals.called_by_tf_keras_h5_writer (tf_keras.CompressedOptimizer.variables)"
+  seen = []
+
+  class Asking(tf_keras.optimizers.SGD):
+    @property
+    def variables(self):
+      seen.append(internals.called_by_tf_keras_h5_writer())
+      return []
+
+  optimizer = Asking()
+  with canaries.watching(name, user):
+    writer = getattr(_module(internals.TF_KERAS_H5_MODULE, user), internals.TF_KERAS_H5_WRITER)
+    with h5py.File("in-memory.h5", "w", driver="core", backing_store=False) as f:
+      writer(f, optimizer)
+  canaries.require(seen == [True], name, user,
+                   f"the writer should read optimizer.variables once; it asked {seen}")
+  optimizer.variables  # pylint: disable=pointless-statement
+  canaries.require(seen == [True, False], name, user, "outside the writer: False")
+
+
 @pytest.mark.slow  # a process of its own
 def test_eager_context_initialized_before_and_after_the_runtime_starts():
   # A process of its own: this one started TensorFlow's runtime long ago.

@@ -418,21 +418,10 @@ KNOWN_DEFECTS: Dict[str, Defect] = {
 # Defects the oracle found that issue 43 does not list (the report that came with this
 # file describes each). Same mechanics: xfail(strict=True), delete the entry on a fix.
 FOUND_DEFECTS: Dict[str, Defect] = {
-    "E": Defect(
-        "the tf_keras wrapper, as issue 43's defect 6, in the legacy .h5 format only "
-        "(tf.train.Checkpoint and .keras keep each replica's copy, tf_adacomp.replica_state): "
-        "a 2-replica resume of Adam under the update exchange from .h5 differs from the "
-        "uninterrupted run (each replica's own moments come back as their mean; 6e-3 "
-        "after 3 more steps). tf_keras writes an .h5 file's optimizer entries from "
-        "`optimizer.variables` and loads them through `set_weights`, with no room for "
-        "the copies",
-        lambda c: _tf_keras_local_adam_resume(c)),
+    # Defect E (the tf_keras wrapper's legacy .h5 format gave a 2-replica Adam resume
+    # under the update exchange the mean of the replicas' moments) is fixed: the file
+    # keeps each replica's copies (tf_adacomp.tf_keras_saving.h5_copies).
 }
-
-
-def _tf_keras_local_adam_resume(c) -> bool:
-  return (getattr(c, "tf_keras", False) and c.exchange == "updates" and c.inner == "adam"
-          and c.replicas > 1 and c.event == "h5")
 
 
 def _tables():

@@ -69,8 +69,8 @@ class TfKerasConfig:
 
 
 CONFIGS = [TfKerasConfig(**row) for row in oracle.pairwise(AXES)]
-# Beside the array (--full): oracle defect E in its smallest configuration, a strict
-# xfail until an .h5 file keeps each replica's own Adam moments.
+# Beside the array (--full): oracle defect E's configuration (fixed: an .h5 file keeps
+# each replica's own Adam moments), the one where each replica's state differs.
 CONFIGS += [TfKerasConfig(exchange="updates", inner="adam", replicas=2, event="h5")]
 
 

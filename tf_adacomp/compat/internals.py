@@ -59,6 +59,11 @@ Accessors
   TensorFlow's own multi-worker tests give a worker several: the patch
   ``LOCAL_DEVICES``, for a while (``patches.patched``). Used by
   ``distribute.multi_worker_strategy(devices_per_worker=...)``.
+- ``called_by_tf_keras_h5_writer()``: whether the code asking is run by
+  ``tf_keras.src.saving.legacy.hdf5_format.save_optimizer_weights_to_hdf5_group``, tf_keras'
+  legacy ``.h5`` writer of an optimizer's state, which stores each entry of
+  ``optimizer.variables`` by its ``name`` and ``numpy()`` and offers no other hook. Used by
+  ``tf_keras.CompressedOptimizer.variables``, which adds each replica's copies there.
 - ``keras_tensorflow_trainer()``: the module ``keras.src.backend.tensorflow.trainer``,
   with ``TensorFlowTrainer._maybe_symbolic_build``, ``reduce_per_replica`` and
   ``_collective_all_reduce_multi_worker``: what ``compat.keras_multi_worker`` patches.
@@ -136,6 +141,7 @@ package imports no ``keras.src`` module but through ``keras_tensorflow_trainer``
 
 import functools
 import importlib
+import sys
 from typing import Callable, List
 
 import tensorflow as tf
@@ -171,6 +177,8 @@ __all__ = [
 ]
 
 KERAS_TENSORFLOW_TRAINER = "keras.src.backend.tensorflow.trainer"
+TF_KERAS_H5_MODULE = "tf_keras.src.saving.legacy.hdf5_format"
+TF_KERAS_H5_WRITER = "save_optimizer_weights_to_hdf5_group"
 KERAS_SAVEABLE = "keras.src.saving.keras_saveable"
 
 
@@ -447,3 +455,17 @@ def keras_tensorflow_trainer():
     ImportError: a Keras without it (Keras 2, another layout).
   """
   return importlib.import_module(KERAS_TENSORFLOW_TRAINER)
+
+
+def called_by_tf_keras_h5_writer(frames: int = 4) -> bool:
+  """Whether one of the ``frames`` callers above the caller of this function is tf_keras'
+  legacy ``.h5`` writer of an optimizer's state (``TF_KERAS_H5_WRITER``)."""
+  frame = sys._getframe(1)  # pylint: disable=protected-access
+  for _ in range(frames):
+    frame = frame.f_back
+    if frame is None:
+      return False
+    if (frame.f_code.co_name == TF_KERAS_H5_WRITER
+        and frame.f_globals.get("__name__") == TF_KERAS_H5_MODULE):
+      return True
+  return False
