@@ -19,9 +19,11 @@ def test_the_ranges_cover_distinct_keys_all_int32():
   assert ranges[-1].last <= 2**31 - 1
 
 
-def _owner(key):
-  """The range of ``key`` (keys of no range: None)."""
-  found = [r for r in collective_keys.key_ranges() if r.first <= key <= r.last]
+def _owner(key, ranges=None):
+  """The range of ``key`` (keys of no range: None) among ``ranges`` (default: a fresh
+  ``collective_keys.key_ranges()``; a test that looks up many keys passes it once)."""
+  ranges = collective_keys.key_ranges() if ranges is None else ranges
+  found = [r for r in ranges if r.first <= key <= r.last]
   assert len(found) <= 1, found
   return found[0] if found else None
 
@@ -32,18 +34,20 @@ def test_the_bases_handed_out_are_todays_keys_in_their_own_ranges():
   # n % 20,000 + 1, the n-th hierarchy (n = 0, 1, ...) half-way into that block.
   strategies = collective_keys._strategies  # pylint: disable=protected-access
   hierarchies = collective_keys._hierarchies  # pylint: disable=protected-access
+  ranges = collective_keys.key_ranges()  # once: 40,001 ranges
+  owner = lambda key: _owner(key, ranges)  # noqa: E731
   try:
     collective_keys._strategies = iter(range(19_998, 20_002))  # pylint: disable=protected-access
     collective_keys._hierarchies = iter(range(19_998, 20_002))  # pylint: disable=protected-access
     for n in range(19_998, 20_002):
       base = collective_keys.next_strategy_key_base()
       assert base == (n % 20_000 + 1) * 100_000
-      assert _owner(base + 1).owner == "strategy"
-      assert _owner(base + collective_keys.STRATEGY_KEYS) == _owner(base + 1)
+      assert owner(base + 1).owner == "strategy"
+      assert owner(base + collective_keys.STRATEGY_KEYS) == owner(base + 1)
       first = collective_keys.next_hierarchy_key_base()
       assert first == (n % 20_000 + 1) * 100_000 + 50_000
       last = first + collective_keys.MAX_HIERARCHY_WORKERS  # the leaders' group
-      assert _owner(first).owner == "hierarchy" and _owner(last) == _owner(first)
+      assert owner(first).owner == "hierarchy" and owner(last) == owner(first)
   finally:
     collective_keys._strategies = strategies  # pylint: disable=protected-access
     collective_keys._hierarchies = hierarchies  # pylint: disable=protected-access

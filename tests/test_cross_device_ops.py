@@ -44,6 +44,10 @@ def adacomp_fit():
   return ops, _fit(_strategy(ops), steps=6)
 
 
+# Slow: CompressedAllReduce("none") under model.fit trains as the default all-reduce in
+# tests/conformance/test_oracle_cross_device_ops.py's test_trains_as_the_default_all_reduce
+# [replicas=2] in the fast tier.
+@pytest.mark.slow
 def test_no_compression_trains_like_plain_mirrored_strategy():
   plain = _fit(_strategy())
   ops = tf_adacomp.CompressedAllReduce("none")
@@ -212,11 +216,13 @@ def _per_replica(strategy, fn):
       lambda ctx: fn(ctx.replica_id_in_sync_group))
 
 
-# Pairwise with --full: each reduction and each mode (eager, in a function); the fast
-# tier one pair (the placement is ReductionToOneDevice's in either mode; MEAN, the
-# division, is test_custom_loop_all_reduce_of_floats_ints_and_indexed_slices's).
+# Pairwise with --full: each reduction and each mode (eager, in a function). Slow (all
+# four): the eager placement, on each device of a mirrored variable as
+# ReductionToOneDevice's, for SUM and MEAN, is tests/conformance/
+# test_cross_device_ops_conformance.py's test_reduce_and_batch_reduce_as_reduction_to_one_
+# device's in the fast tier (the placement is the same in either mode).
 @pytest.mark.parametrize("reduce_op, in_function", [
-    (tf.distribute.ReduceOp.SUM, False),
+    pytest.param(tf.distribute.ReduceOp.SUM, False, marks=pytest.mark.slow),
     pytest.param(tf.distribute.ReduceOp.MEAN, True, marks=pytest.mark.slow),
     pytest.param(tf.distribute.ReduceOp.SUM, True, marks=pytest.mark.slow),
     pytest.param(tf.distribute.ReduceOp.MEAN, False, marks=pytest.mark.slow)])

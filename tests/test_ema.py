@@ -60,7 +60,12 @@ def test_two_replicas_keep_one_average_as_keras(exchange, overwrite):
     np.testing.assert_allclose(copies[0], expected.numpy(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("exchange", ["updates", pytest.param("gradients", marks=pytest.mark.slow)])
+# Slow (both): one replica's EMA is Keras' bit for bit in tests/conformance/test_oracle.py's
+# test_trains_as_its_reference[inner=adam,exchange=gradients,second_moment=local,
+# no_strategy,...,ema,...] in the fast tier, the overwrite (after the update exchange) in
+# test_two_replicas_keep_one_average_as_keras[updates-3].
+@pytest.mark.parametrize("exchange", [pytest.param("updates", marks=pytest.mark.slow),
+                                      pytest.param("gradients", marks=pytest.mark.slow)])
 def test_one_replica_is_keras_bit_for_bit(exchange):
   plain, _ = _fit(lambda: _sgd(ema_overwrite_frequency=2), 1, 5, strategy=False)
   ours, _ = _fit(lambda: tf_adacomp.CompressedOptimizer(

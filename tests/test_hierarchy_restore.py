@@ -68,7 +68,14 @@ def saved(request, tmp_path_factory):
   return path, model.get_weights(), totals
 
 
-@pytest.mark.parametrize("replicas", [1, pytest.param(3, marks=pytest.mark.slow)])  # 1: alone
+# Slow (both; 1: alone): a 4-replica fit, saved and loaded. The fallback itself is
+# tests/test_hierarchy.py's test_a_saved_devices_per_worker_that_does_not_fit_falls_back_
+# with_a_warning in the fast tier, a saved layout read back from a config
+# test_a_restored_layout_that_fits_is_kept's below (and the tf_keras wrapper's on load,
+# tests/test_tf_keras_saving.py's test_a_saved_devices_per_worker_that_does_not_fit_falls_
+# back_on_load).
+@pytest.mark.parametrize("replicas", [pytest.param(1, marks=pytest.mark.slow),
+                                      pytest.param(3, marks=pytest.mark.slow)])
 def test_a_model_saved_with_devices_per_worker_loads_and_trains_on_other_devices(
     saved, replicas, caplog, tmp_path):
   path, weights, totals = saved

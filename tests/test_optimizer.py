@@ -89,9 +89,13 @@ def replicated_fit():
   return strategy, model, list(exchanged)
 
 
-# Without a strategy in the fast tier ("none" on two replicas is test_optimizer_updates.py's
-# test_update_exchange_without_compression_is_the_mean_of_local_momentum_steps there).
-@pytest.mark.parametrize("use_strategy", [False, pytest.param(True, marks=pytest.mark.slow)])
+# Slow (both): "none" without a strategy is Keras bit for bit in tests/conformance/
+# test_oracle.py's test_trains_as_its_reference[inner=adam,exchange=gradients,
+# second_moment=local,no_strategy,...] in the fast tier, "none" on two replicas
+# test_optimizer_updates.py's
+# test_update_exchange_without_compression_is_the_mean_of_local_momentum_steps.
+@pytest.mark.parametrize("use_strategy", [pytest.param(False, marks=pytest.mark.slow),
+                                          pytest.param(True, marks=pytest.mark.slow)])
 def test_no_compression_matches_the_inner_optimizer(use_strategy):
   strategy = _strategy if use_strategy else (lambda: None)
   plain = _fit(_sgd, strategy(), steps=4)

@@ -101,10 +101,13 @@ def _train_step(strategy, model, optimizer):
   return run
 
 
-# Pairwise: each exchange and each overflowing replica in the fast tier; the other two
-# pairs of the grid with --full.
+# Pairwise with --full: each exchange and each overflowing replica. Slow (all four): the
+# skip and the halved scale are
+# test_without_a_strategy_an_overflow_lowers_the_scale_and_skips_the_step[updates]'s in the
+# fast tier, every replica's same answer
+# test_check_finite_gives_every_replica_the_same_answer_in_either_tf_path's.
 @pytest.mark.parametrize("exchange, overflowing_replica", [
-    ("updates", 1), pytest.param("gradients", 0, marks=pytest.mark.slow),
+    tiers.slow("updates", 1), pytest.param("gradients", 0, marks=pytest.mark.slow),
     pytest.param("updates", 0, marks=pytest.mark.slow),
     pytest.param("gradients", 1, marks=pytest.mark.slow)])
 def test_an_overflow_on_one_replica_lowers_the_scale_and_skips_the_step_on_every_replica(
@@ -155,8 +158,10 @@ def test_an_overflow_on_one_replica_lowers_the_scale_and_skips_the_step_on_every
   assert any(not np.array_equal(after[n][0], last[n][0]) for n in weights)
 
 
-# Slow: the same skip through model.fit; the fast tier checks it step by step in
-# test_an_overflow_on_one_replica_lowers_the_scale_and_skips_the_step_on_every_replica[updates-1].
+# Slow: the same skip through model.fit; the fast tier checks it through model.fit
+# without a strategy (test_without_a_strategy_an_overflow_lowers_the_scale_and_skips_the_step)
+# and the replicas' one answer in test_check_finite_gives_every_replica_the_same_answer_in_
+# either_tf_path.
 @pytest.mark.slow
 def test_model_fit_under_mixed_float16_skips_a_batch_that_overflows_on_replica_1_only(
     mixed_float16):

@@ -209,7 +209,9 @@ def test_local_clipnorm_clips_each_replicas_own_gradient(exchange):
   assert_replicas_hold(model, strategy, expected)
 
 
-@pytest.mark.parametrize("kind", ["dense", "slices"])
+# "slices" in the fast tier: its gradients are an IndexedSlices and a dense tensor ("dense",
+# two dense tensors, with --full).
+@pytest.mark.parametrize("kind", [tiers.slow("dense"), "slices"])
 def test_local_clipnorm_is_keras_global_clipnorm_bit_for_bit(kind):
   """``replica_steps.clip_by_global_norm`` is Keras' ``global_clipnorm``, read off a
   Keras SGD with learning rate 1 from zero weights (its weights are minus its clipped
@@ -262,11 +264,15 @@ _INNER = {"sgd": lambda **kw: keras.optimizers.SGD(LR, momentum=MOMENTUM, **kw),
           "adam": lambda **kw: keras.optimizers.Adam(0.01, **kw)}
 
 
-# The fast tier: the update exchange with a clipnorm (one replica's gradient exchange is
-# tests/conformance/test_oracle.py's test_one_replica_is_keras_bit_for_bit[inner=adamw,
-# exchange=gradients,...] there, one replica on an embedding its [...,model=embedding]).
+# Slow (all six): one replica on an embedding is the inner optimizer bit for bit in
+# tests/conformance/test_oracle.py's fast tier, with the update exchange in
+# test_one_replica_is_keras_bit_for_bit[inner=adam,mixed,model=embedding], with the gradient
+# exchange and local_clipnorm=0.5 in test_trains_as_its_reference[inner=adam,
+# exchange=gradients,second_moment=local,no_strategy,...,local_clipnorm=0.5,...,
+# model=embedding,...]; local_clipnorm on an IndexedSlices is Keras' global_clipnorm in
+# test_local_clipnorm_is_keras_global_clipnorm_bit_for_bit[slices].
 @pytest.mark.parametrize("exchange,inner,clipnorm", [
-    tiers.slow("gradients", "adam", None), ("updates", "sgd", 0.5),
+    tiers.slow("gradients", "adam", None), tiers.slow("updates", "sgd", 0.5),
     pytest.param("updates", "sgd", None, marks=pytest.mark.slow),
     pytest.param("gradients", "sgd", None, marks=pytest.mark.slow),
     pytest.param("updates", "adam", None, marks=pytest.mark.slow),

@@ -234,6 +234,11 @@ def test_a_tf_keras_resume_on_as_many_replicas_is_the_uninterrupted_run(fmt, tmp
   _check_resumed(loaded, saved, straight, fmt, x, y)
 
 
+# Slow: the replica_state path of test_a_keras3_load_onto_another_replica_count_gives_every_
+# replica_the_mean[checkpoint] (the fast tier); the tf_keras wrapper's restore onto another
+# replica count trains on in tests/conformance/test_oracle_tf_keras.py's
+# test_trains_as_plain_tf_keras[gradients,sgd,replicas=2,event=checkpoint_other].
+@pytest.mark.slow
 def test_a_tf_keras_load_onto_another_replica_count_gives_every_replica_the_mean(tmp_path):
   tf_keras = _tf_keras()
   from tf_adacomp import tf_keras as adacomp_tf_keras  # pylint: disable=import-outside-toplevel

@@ -325,10 +325,15 @@ def test_compressed_steps_keep_error_feedback_and_adamw_decays_as_keras(precondi
       np.testing.assert_allclose(copy, residues[r][k], **STEP_TOLERANCE)
 
 
-# Adam in the slow tier: AdamW is Adam with a decay.
+# Slow (both; AdamW is Adam with a decay): one replica is Keras' Adam in
+# test_one_replica_on_an_embedding_is_keras_adam in the fast tier (and bit for bit in
+# tests/conformance/test_oracle.py's test_one_replica_is_keras_bit_for_bit[inner=adam,mixed,
+# model=embedding]), AdamW's decay in
+# test_compressed_steps_keep_error_feedback_and_adamw_decays_as_keras[before].
 @pytest.mark.parametrize("make", [
     pytest.param(lambda: keras.optimizers.Adam(**ADAM), marks=pytest.mark.slow),
-    lambda: keras.optimizers.AdamW(weight_decay=0.3, **ADAM)], ids=["Adam", "AdamW"])
+    pytest.param(lambda: keras.optimizers.AdamW(weight_decay=0.3, **ADAM),
+                 marks=pytest.mark.slow)], ids=["Adam", "AdamW"])
 def test_one_replica_is_the_plain_optimizer(make):
   x, y = data(1, 3)
   results = []

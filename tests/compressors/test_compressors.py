@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 import tf_adacomp
+import tiers
 
 
 def _combine(compressor, plan, payloads):
@@ -15,7 +16,10 @@ def _combine(compressor, plan, payloads):
   return compressor.decompress(tf.stack(payloads), [plan])[0]
 
 
-@pytest.mark.parametrize("name", ["adacomp", "topk"])
+# "topk" in the fast tier (AdaComp's error feedback over steps is tests/ops/test_adacomp.py's
+# test_error_feedback_over_steps there, through this contract
+# tests/compressors/test_adacomp_scale.py's test_error_feedback_loses_nothing_and_scales_are_counted).
+@pytest.mark.parametrize("name", [tiers.slow("adacomp"), "topk"])
 def test_error_feedback_loses_nothing_over_steps(name):
   """sum of what was sent + final residue == sum of all gradients (to rounding)."""
   compressor = tf_adacomp.get_compressor(name)
@@ -33,7 +37,10 @@ def test_error_feedback_loses_nothing_over_steps(name):
   assert np.count_nonzero(sent) < sent.size  # it did compress
 
 
-@pytest.mark.parametrize("name", ["adacomp", "topk", "none", "fp16", "bf16"])
+# AdaComp with --full: its gathered payloads decode to the replicas' sum in replica order
+# in tests/ops/test_adacomp.py's test_gathered_decode_three_replicas (the fast tier; TopK
+# here takes the same gathered path of the contract).
+@pytest.mark.parametrize("name", [tiers.slow("adacomp"), "topk", "none", "fp16", "bf16"])
 def test_combined_payload_is_the_sum_over_replicas(name):
   compressor = tf_adacomp.get_compressor(name)
   plan = compressor.plan([3, 3, 4, 8], tf.float32, "conv/kernel")

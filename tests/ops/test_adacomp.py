@@ -290,7 +290,9 @@ def test_opposing_gradient_selects_nothing_in_bin():
   np.testing.assert_array_equal(new_residue, np.array([0.5, 0.1, 0.1, 0.1], np.float32))
 
 
-@pytest.mark.parametrize("shape", [[7], [64, 33], [3, 3, 16, 32]], ids=str)
+# [7] and [64, 33] in the fast tier (rank 1 and rank 2; rank 4, the same flattened kernel,
+# with --full).
+@pytest.mark.parametrize("shape", [[7], [64, 33], tiers.slow([3, 3, 16, 32])], ids=str)
 def test_all_zeros(shape):
   z = np.zeros(shape, np.float32)
   payload, new_residue = compress_np(z, z, 50)
@@ -836,7 +838,10 @@ PER_BIN_SHAPE = [64, 33]  # 2,112 elements: 43 bins of 50, the last of 12
 
 @pytest.mark.parametrize("shape,bin_size,grad_dtype,max_density", [
     (PER_BIN_SHAPE, 50, "float32", 1.0),
-    ([3, 3, 16, 32], 50, "float32", 0.05),   # the cap holds some back
+    # the cap holds some back (slow: per-bin scales under a cap are checked against the
+    # reference in tests/ops/test_adacomp_bucket.py's
+    # test_the_payload_matches_the_numpy_reference[bin], max_density 0.05, in the fast tier)
+    tiers.slow([3, 3, 16, 32], 50, "float32", 0.05),
     # a short last bin, odd number of bins (slow: bfloat16 is test_matches_reference_dtypes's)
     tiers.slow([51], 50, "bfloat16", 1.0),
     pytest.param([7, 9], 1, "float16", 1.0,   # one element per bin

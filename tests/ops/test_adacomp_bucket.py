@@ -133,17 +133,22 @@ def test_float64_buckets_are_bit_identical_too():
   _check_bit_identical([(40, 30), (30,)], 50, 0.25, "tensor", 3, dtype=np.float64)
 
 
-@pytest.mark.parametrize("scale", ["tensor", pytest.param("bin", marks=pytest.mark.slow)])
-def test_one_non_finite_tensor_keeps_its_residue_and_decodes_to_nan_alone(scale):
+# CONV_LIKE's layouts, as test_a_bucket_is_bit_identical_to_per_tensor_kernels runs them
+# (its fast case for "tensor"): the process has compiled their kernels already.
+@pytest.mark.parametrize("scale,max_density", [
+    ("tensor", 0.01), pytest.param("bin", 0.25, marks=pytest.mark.slow)], ids=["tensor", "bin"])
+def test_one_non_finite_tensor_keeps_its_residue_and_decodes_to_nan_alone(scale, max_density):
+  shapes, bin_size = CONV_LIKE
   grads, residues, payload = _check_bit_identical(
-      [(200,), (3, 100), (64,)], 50, 0.25, scale, 4, nan_at=1)
-  _, new = adacomp_bucket.compress(grads, residues, 50, 0.25, scale)
+      shapes, bin_size, max_density, scale, 4, nan_at=1)
+  _, new = adacomp_bucket.compress(grads, residues, bin_size, max_density, scale)
   np.testing.assert_array_equal(new[1].numpy(), residues[1])  # kept as it was
   assert int(payload[4 + 1]) == -1  # tensor 1's count marks it
-  decoded = adacomp_bucket.decompress(payload, [(200,), (3, 100), (64,)], tf.float32, 50,
-                                      0.25, scale)
+  decoded = adacomp_bucket.decompress(payload, shapes, tf.float32, bin_size, max_density,
+                                      scale)
   assert np.isnan(decoded[1].numpy()).all()
-  assert np.isfinite(decoded[0].numpy()).all() and np.isfinite(decoded[2].numpy()).all()
+  for t in (0, 2, 3):
+    assert np.isfinite(decoded[t].numpy()).all()
   assert np.count_nonzero(decoded[0].numpy()) > 0  # the others were sent
 
 
@@ -161,17 +166,22 @@ def test_the_payload_matches_the_numpy_reference(scale):
 
 def test_tensor_nbytes_add_up_to_the_used_words():
   rng = np.random.default_rng(6)
-  shapes = [(500, 20), (20,), (20, 3)]
+  # test_the_payload_matches_the_numpy_reference's layouts (both scales): the process has
+  # compiled their kernels already.
+  shapes = [(30, 40), (40,), (40, 10), (10,)]
+  sizes = [int(np.prod(s)) for s in shapes]
   grads, residues = _random(shapes, rng), _random(shapes, rng)
   for scale in ("tensor", "bin"):
-    payload, _ = adacomp_bucket.compress(grads, residues, 50, 0.25, scale)
-    shares = adacomp_bucket.tensor_nbytes(payload, [10000, 20, 60], 50, 0.25, scale).numpy()
+    payload, _ = adacomp_bucket.compress(grads, residues, 50, 0.05, scale)
+    shares = adacomp_bucket.tensor_nbytes(payload, sizes, 50, 0.05, scale).numpy()
     count = int(payload[0])
     # docs/wire_format.md#buckets: 4 * (4 + T + S + ceil(count * bits / 32)), S = T
     # tensor scales or the bins' bfloat16 scales two per word; bits for the largest.
-    scale_words = 3 if scale == "tensor" else -(-sum(
-        ref.bins_for(n, 50) for n in (10000, 20, 60)) // 2)
-    assert shares.sum() == 4 * (4 + 3 + scale_words + -(-count * ref.code_bits(10000) // 32))
+    tensors = len(sizes)
+    scale_words = tensors if scale == "tensor" else -(-sum(
+        ref.bins_for(n, 50) for n in sizes) // 2)
+    assert shares.sum() == 4 * (4 + tensors + scale_words
+                                + -(-count * ref.code_bits(max(sizes)) // 32))
     assert (shares > 0).all()
     # The used words are all that a receiver needs: the rest of the payload is zeros.
     assert not payload.numpy()[shares.sum() // 4:].any()

@@ -24,8 +24,16 @@ def _numpy_pack(codes, bits):
   return words.astype(np.uint32)
 
 
-@pytest.mark.parametrize("bits", [1, 2, 3, 5, 8, 13, 17, 21, 31, 32])
-@pytest.mark.parametrize("count", [1, 31, 32, 33, 100])
+PACK_BITS = [1, 2, 3, 5, 8, 13, 17, 21, 31, 32]
+PACK_COUNTS = [1, 31, 32, 33, 100]
+
+
+# Every count with every width with --full; the fast tier each width once, the counts in
+# turn (each count twice: within a word, a word's end, across words, several words).
+@pytest.mark.parametrize("count,bits", [
+    pytest.param(count, bits, id=f"{count}-{bits}",
+                 marks=() if j % len(PACK_COUNTS) == i else pytest.mark.slow)
+    for i, count in enumerate(PACK_COUNTS) for j, bits in enumerate(PACK_BITS)])
 def test_pack_matches_numpy_and_unpacks(bits, count):
   rng = np.random.default_rng(bits * 1000 + count)
   codes = rng.integers(0, 2**bits, size=count, dtype=np.uint64).astype(np.uint32)
