@@ -72,13 +72,25 @@ def is_per_replica(variable) -> bool:
     True for a variable whose copies a save must keep one by one.
   """
   values = _distributed(variable)
-  if not isinstance(values, tf.distribute.DistributedValues):
-    return False
-  if getattr(values, "synchronization", None) != tf.VariableSynchronization.ON_READ:
-    return False
-  if values.aggregation not in (tf.VariableAggregation.SUM, tf.VariableAggregation.MEAN):
+  if not isinstance(values, tf.distribute.DistributedValues) or not is_kept_per_replica(values):
     return False
   return values.distribute_strategy.num_replicas_in_sync > 1
+
+
+def is_kept_per_replica(variable) -> bool:
+  """Whether ``variable`` is of the kind whose copies a save of 2+ replicas keeps
+  (``on_read``, ``sum`` or ``mean`` aggregation), whatever the number of replicas now.
+
+  Args:
+    variable: a ``tf.Variable``, a ``tf.distribute`` variable or a Keras 3 variable.
+
+  Returns:
+    True for such a variable.
+  """
+  values = _distributed(variable)
+  return (getattr(values, "synchronization", None) == tf.VariableSynchronization.ON_READ
+          and getattr(values, "aggregation", None) in (tf.VariableAggregation.SUM,
+                                                       tf.VariableAggregation.MEAN))
 
 
 def per_replica(variables: Sequence) -> List:

@@ -186,14 +186,6 @@ def h5_copies(variables):
           for i, v in enumerate(replica_state.per_replica(variables))]
 
 
-def _kept_per_replica(variable) -> bool:
-  """Whether ``variable`` is of the kind whose copies a save of 2+ replicas keeps (on-read,
-  summed or averaged), whatever the number of replicas now."""
-  return (variable.synchronization == tf.VariableSynchronization.ON_READ
-          and variable.aggregation in (tf.VariableAggregation.SUM,
-                                       tf.VariableAggregation.MEAN))
-
-
 def _split_copies(variables, values):
   """``values`` as (one per variable, the copies after them): the values beyond
   ``variables`` are an ``.h5`` file's copies when there is one for each variable that
@@ -202,7 +194,7 @@ def _split_copies(variables, values):
   extra = values[len(variables):]
   if not extra:
     return values, []
-  kinds = [v for v in variables if _kept_per_replica(v)]
+  kinds = [v for v in variables if replica_state.is_kept_per_replica(v)]
   if len(extra) != len(kinds) or any(
       e.ndim != len(v.shape) + 1 or tuple(e.shape[1:]) != tuple(v.shape)
       for e, v in zip(extra, kinds)):
