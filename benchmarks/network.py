@@ -35,14 +35,22 @@ printed beside ``sent B/step``, the worker's own count (CompressedOptimizer's
 the same step S (= the same samples) for every run of a model: the last evaluation
 that every run which was not cut short by --max_run_seconds reached.
 
-The floor: the same model and per-worker batch trained by the same Keras program
-(jit_compile=False) in one process with no exchange at all, --workers such processes at
-once (so that they share the host's cores as the cluster's workers do); its time to
-the target comes from its own evaluations.
+The compute-only run: the same model and per-worker batch trained by the same Keras
+program (jit_compile=False) in one process with no exchange at all, --workers such
+processes at once (so that they share the host's cores as the cluster's workers do).
+It gives the compute-only step, and "alone", one worker training by itself to the
+target (its own evaluations).
+
+The strict floor, the physical limit of the cluster, is what it would take if
+communication were free: dense's steps to the target on the same link times the
+compute-only step (its mean). "Alone" is a weaker reference: the cluster trains on
+--workers times its batch, so it needs fewer steps than one worker alone, and "1x
+alone" means the workers together reached the target no sooner than one by itself.
 
 Reports per model, link and variant: the time to the target (seconds of training,
-evaluations not counted), its ratio to the floor's, the speed-up in time to target
-over dense float32 and over bf16 on the same link, and the bytes each worker sent
+evaluations not counted), its ratio to the strict floor (``/strict``) and to one worker
+alone (``/alone``), the speed-up in time to target over dense float32 and over bf16 on
+the same link, and the bytes each worker sent
 until the target (the exact sum of its per-step bytes up to the step that reached
 it; with local steps only round ends send anything) and how many times fewer that is
 than dense float32's. Seconds of training count one-off steps as typical ones: step 1
@@ -107,8 +115,8 @@ PORT = 2222
 # The issue's targets (2 workers, MLP and CNN to 80%): (field of a row, link or None for
 # every link, "<=" or ">=", bound). network.py prints which variants meet them.
 TARGET_CHECKS = {
-    "time_to_target_within_floor_at_100mbit":
-        ("ratio_to_floor_time_to_target", "100mbit", "<=", 1.3),
+    "time_to_target_within_strict_floor_at_100mbit":
+        ("ratio_to_strict_floor_time_to_target", "100mbit", "<=", 1.3),
     "time_to_target_speed_up_over_dense_at_10mbit":
         ("speed_up_to_target_over_dense", "10mbit", ">=", 50.0),
     "time_to_target_speed_up_over_bf16_at_10mbit":
@@ -125,7 +133,7 @@ TARGET_CHECKS = {
 TARGETS = {name: check[3] for name, check in TARGET_CHECKS.items()}
 # Per model: steps, accuracy to reach (0: none) and learning rate of a run. The steps
 # are multiples of 32, so that the last step ends a round of H = 8 or 32 local steps,
-# and leave room past the steps to 0.80 measured on 1 Gbit/s (the floors: 130 to 150;
+# and leave room past the steps to 0.80 measured on 1 Gbit/s (one worker alone: 130 to 150;
 # MLP variants: 64 to 128; CNN variants: 130 to 288, adacomp+H32+nesterov the most).
 MODEL_SETTINGS = {
     "mlp": {"max_steps": 320, "target_accuracy": 0.80, "learning_rate": 0.05},
@@ -135,7 +143,8 @@ MODEL_SETTINGS = {
 DENSE, BF16 = "none", "bf16"  # the variants the speed-ups are measured against
 # The rows, besides a row itself, that each ratio of a row reads: the ratio is an
 # estimate when one of them is.
-RATIO_INPUTS = {"ratio_to_floor_time_to_target": (),  # the floor is never estimated
+RATIO_INPUTS = {"ratio_to_alone_time_to_target": (),  # never estimated
+                "ratio_to_strict_floor_time_to_target": (DENSE,),  # dense's steps
                 "speed_up_to_target_over_dense": (DENSE,),
                 "speed_up_to_target_over_bf16": (BF16,),
                 "bytes_to_target_fewer_than_dense": (DENSE,),
@@ -279,7 +288,7 @@ def worker_argv(args, model, variant, out, alone=False, topk_density=None, devic
     argv.append(f"--netns={namespace}")
   if alone:
     argv.append("--alone")
-  elif args.max_run_seconds:  # the floor is short: it runs to its target
+  elif args.max_run_seconds:  # the compute-only run is short: it runs to its target
     argv.append(f"--max_run_seconds={args.max_run_seconds}")
   if args.synthetic:
     argv.append("--synthetic")
@@ -317,7 +326,9 @@ def worker_env(tf_config=None):
 
 
 def compute_only(args, model, work):
-  """The floor: ``--workers`` processes at once, each training alone (no exchange)."""
+  """The compute-only run: ``--workers`` processes at once, each training alone (no
+  exchange). Its mean step is the strict floor's step; its time to the target is one
+  worker's alone."""
   outs = [os.path.join(work, f"{model}_alone_{i}.json") for i in range(args.workers)]
   codes = run_workers([(worker_argv(args, model, DENSE, out, alone=True), worker_env())
                        for out in outs], args.run_timeout)
@@ -489,7 +500,7 @@ def run_row(model, rate, run, floor, target, borrowed=None):
                                      run["bytes_sent_per_step"]),
          "steps": len(run["step_seconds"]), "stopped": run.get("stopped"),
          "final_accuracy": last.get("accuracy"), "target_accuracy": target or None,
-         "floor_time_to_target_seconds": floor.get("time_to_target_seconds"),
+         "alone_time_to_target_seconds": floor.get("time_to_target_seconds"),
          "topk_density": run.get("topk_density")}
   row.update(to_target(run, target, borrowed[1] if borrowed else None))
   if row["estimated"]:
@@ -497,9 +508,22 @@ def run_row(model, rate, run, floor, target, borrowed=None):
   return row
 
 
+def strict_floor(row, dense, floor):
+  """``strict_floor_seconds`` (dense's steps to the target on the row's link, measured
+  or estimated, times the compute-only run's mean step: the time if communication were
+  free) and the row's ``ratio_to_strict_floor_time_to_target``; None where dense
+  failed or has no steps to the target."""
+  steps = dense.get("steps_to_target")
+  seconds = steps * mean_step_seconds(floor) if steps else None
+  return {"strict_floor_seconds": seconds,
+          "ratio_to_strict_floor_time_to_target": _ratio(row["time_to_target_seconds"],
+                                                         seconds)}
+
+
 def summarize(model, rates, variants, runs, floor, target, fallback=None):
   """The rows of one model (every link and variant run): time and bytes to the target,
-  measured or estimated, and their ratios to the floor, dense and bf16 on the same link.
+  measured or estimated, and their ratios to the strict floor, to one worker alone, to
+  dense and to bf16 on the same link.
 
   ``ratios_from_estimates`` names the rows (this one, dense, bf16) whose estimates
   entered a ratio of this row. ``fallback``: ``(tag, runs)``, other runs of the model
@@ -525,8 +549,9 @@ def summarize(model, rates, variants, runs, floor, target, fallback=None):
     # Over a dense run that failed, the per-step speed-up is unknown (None).
     row["speed_up_over_dense"] = _ratio(dense.get("mean_step_seconds"),
                                         row["mean_step_seconds"])
-    row["ratio_to_floor_time_to_target"] = _ratio(seconds,
+    row["ratio_to_alone_time_to_target"] = _ratio(seconds,
                                                   floor.get("time_to_target_seconds"))
+    row.update(strict_floor(row, dense, floor))
     row["speed_up_to_target_over_dense"] = _ratio(dense.get("time_to_target_seconds"),
                                                   seconds)
     row["speed_up_to_target_over_bf16"] = _ratio(bf16.get("time_to_target_seconds"), seconds)
@@ -642,7 +667,8 @@ def ratio_is_estimated(row, field):
 
 def print_rows(rows):
   print(f"\n{'model':<9}{'link':>8}{'variant':>21}{'D':>3}{'ms/step':>9}{'steps':>6}"
-        f"{'acc':>7}{'to tgt':>7}{'to target s':>12}{'/floor':>8}{'x dense':>9}"
+        f"{'acc':>7}{'to tgt':>7}{'to target s':>12}{'/strict':>8}{'/alone':>8}"
+        f"{'x dense':>9}"
         f"{'x bf16':>8}{'bytes to tgt':>14}{'/ dense':>9}{'link B/step':>13}"
         f"{'sent B/step':>13}{'acc@S':>7}{'S':>5}")
   for r in rows:
@@ -659,7 +685,8 @@ def print_rows(rows):
           f"{1e3 * r['mean_step_seconds']:>9.1f}{r['steps']:>6}"
           f"{r['final_accuracy'] or 0:>7.3f}{_fmt(r['steps_to_target'], 'd', est):>7}"
           f"{_fmt(r['time_to_target_seconds'], '.1f', est):>12}"
-          f"{ratio('ratio_to_floor_time_to_target', '.2f'):>8}"
+          f"{ratio('ratio_to_strict_floor_time_to_target', '.2f'):>8}"
+          f"{ratio('ratio_to_alone_time_to_target', '.2f'):>8}"
           f"{ratio('speed_up_to_target_over_dense', '.3g'):>9}"
           f"{ratio('speed_up_to_target_over_bf16', '.3g'):>8}"
           f"{_bytes(r['bytes_to_target'], est):>14}"
@@ -669,7 +696,9 @@ def print_rows(rows):
           f"{_fmt(r.get('accuracy_at_equal_step'), '.3f'):>7}"
           f"{_fmt(r.get('equal_step'), 'd'):>5}")
   print("ms/step: mean over every step, one-off steps counted as typical; ~: an estimate "
-        "(the run stopped at --max_run_seconds; see network.py's docstring); D: devices "
+        "(the run stopped at --max_run_seconds; see network.py's docstring); /strict: "
+        "time to target over the strict floor (dense's steps x the compute-only step); "
+        "/alone: over one worker training alone; D: devices "
         "per worker; link B/step: what a worker really sent over its link per step "
         "(interface counters, after step 1); sent B/step: its own count (bytes_sent); "
         "acc@S: test accuracy at step S, the same samples for every run of the model")
@@ -699,7 +728,8 @@ def print_targets(rows):
 
 def plot(rows, runs, floors, path):
   """Per model: time to target per link and variant (log scale, estimates hatched, the
-  floor's dashed); accuracy against training seconds (the floor's in black)."""
+  strict floor of each link dashed, one worker alone dotted); accuracy against training
+  seconds (one worker alone's in black)."""
   plt = report.pyplot()
   from matplotlib.patches import Patch  # pylint: disable=g-import-not-at-top
 
@@ -722,9 +752,14 @@ def plot(rows, runs, floors, path):
         ax.bar(i + (j - (len(variants) - 1) / 2) * width, row["time_to_target_seconds"],
                width, color=colors[variant], alpha=0.45 if row["estimated"] else 1.0,
                hatch="//" if row["estimated"] else None)
-    floor = floors[model].get("time_to_target_seconds")
-    if floor:
-      ax.axhline(floor, color="k", linestyle="--")
+    for i, rate in enumerate(rates):
+      strict = next((r["strict_floor_seconds"] for r in mine
+                     if r["rate"] == rate and r.get("strict_floor_seconds")), None)
+      if strict:
+        ax.hlines(strict, i - 0.45, i + 0.45, color="k", linestyle="--")
+    alone = floors[model].get("time_to_target_seconds")
+    if alone:
+      ax.axhline(alone, color="grey", linestyle=":")
     ax.set_xticks(range(len(rates)))
     ax.set_xticklabels(rates)
     ax.set_yscale("log")
@@ -734,7 +769,9 @@ def plot(rows, runs, floors, path):
     handles = [Patch(color=colors[v], label=v) for v in variants]
     handles += [Patch(facecolor="white", edgecolor="k", hatch="//",
                       label="~ estimated (stopped early)"),
-                plt.Line2D([], [], color="k", linestyle="--", label="compute-only floor")]
+                plt.Line2D([], [], color="k", linestyle="--",
+                           label="strict floor: dense's steps x compute-only step"),
+                plt.Line2D([], [], color="grey", linestyle=":", label="one worker alone")]
     ax.legend(handles=handles, fontsize=7)
 
     ax = axes[1][column]
@@ -748,7 +785,7 @@ def plot(rows, runs, floors, path):
               marker=".", label=f"{rate} {variant}")  # (a run stopped early: one point)
     if floors[model]["evaluations"]:
       ax.plot(_eval_seconds(floors[model]), [e["accuracy"] for e in floors[model]["evaluations"]],
-              color="k", marker=".", label="compute-only floor")
+              color="k", marker=".", label="one worker alone")
     if target:
       ax.axhline(target, color="grey", linestyle=":")
     ax.set_xscale("log")

@@ -302,7 +302,11 @@ def test_summarize_estimates_from_the_fastest_link_and_marks_every_ratio_it_ente
   assert not adacomp["estimated"] and "steps_to_target_from" not in adacomp
   assert adacomp["time_to_target_seconds"] == pytest.approx(40 * 0.2)
   assert adacomp["bytes_to_target"] == pytest.approx(80.0)
-  assert adacomp["ratio_to_floor_time_to_target"] == pytest.approx(8.0 / 2.5)
+  assert adacomp["ratio_to_alone_time_to_target"] == pytest.approx(8.0 / 2.5)
+  # The strict floor: dense's steps to the target on the same link (here estimated: 32)
+  # times the compute-only run's mean step (0.08 s).
+  assert adacomp["strict_floor_seconds"] == pytest.approx(32 * 0.08)
+  assert adacomp["ratio_to_strict_floor_time_to_target"] == pytest.approx(8.0 / 2.56)
   assert adacomp["speed_up_to_target_over_dense"] == pytest.approx(640 / 8.0)
   assert adacomp["speed_up_to_target_over_bf16"] == pytest.approx(300 / 8.0)
   assert adacomp["bytes_to_target_fewer_than_dense"] == pytest.approx(128000 / 80)
@@ -311,14 +315,20 @@ def test_summarize_estimates_from_the_fastest_link_and_marks_every_ratio_it_ente
   assert adacomp["speed_up_over_dense"] == pytest.approx(20.0 / 0.2)
   assert adacomp["ratio_to_compute_only"] == pytest.approx(0.2 / 0.08)
   # Which ratios are estimates: those with an estimated row on either side.
-  assert not network.ratio_is_estimated(adacomp, "ratio_to_floor_time_to_target")
+  assert not network.ratio_is_estimated(adacomp, "ratio_to_alone_time_to_target")
+  assert network.ratio_is_estimated(adacomp, "ratio_to_strict_floor_time_to_target")
   assert network.ratio_is_estimated(adacomp, "speed_up_to_target_over_dense")
   assert network.ratio_is_estimated(adacomp, "speed_up_to_target_over_bf16")
   assert network.ratio_is_estimated(adacomp, "bytes_to_target_fewer_than_dense")
-  assert network.ratio_is_estimated(dense, "ratio_to_floor_time_to_target")
+  assert network.ratio_is_estimated(dense, "ratio_to_alone_time_to_target")
 
   measured = rows["100mbit", "adacomp"]
   assert measured["ratios_from_estimates"] == []
+  assert measured["ratio_to_strict_floor_time_to_target"] == pytest.approx(4.0 / (30 * 0.08))
+  assert not network.ratio_is_estimated(measured, "ratio_to_strict_floor_time_to_target")
+  # Where dense failed, or never reached the target, there is no strict floor.
+  assert network.strict_floor(measured, {"failed": True}, floor) == {
+      "strict_floor_seconds": None, "ratio_to_strict_floor_time_to_target": None}
   assert measured["speed_up_to_target_over_dense"] == pytest.approx(60.0 / 4.0)
   assert rows["1gbit", "adacomp"]["speed_up_to_target_over_bf16"] is None  # bf16 failed
   assert rows["100mbit", "none"]["speed_up_to_target_over_dense"] == pytest.approx(1.0)
@@ -339,8 +349,13 @@ def test_the_table_and_the_targets_mark_estimates(capsys):
   ada_10 = next(line for line in out.splitlines()
                 if line.split()[:3] == ["mlp", "10mbit", "adacomp"])
   assert "~80x" in ada_10 and "~37.5x" in ada_10 and "3.20x" in ada_10
+  assert "~3.13x" in ada_10  # over the strict floor: dense's steps there are estimated
+  ada_100 = next(line for line in out.splitlines()
+                 if line.split()[:3] == ["mlp", "100mbit", "adacomp"])
+  assert "1.67x" in ada_100 and "1.60x" in ada_100  # /strict (4.0 / 2.4), /alone
   assert "time_to_target_speed_up_over_dense_at_10mbit (>= 50): adacomp@10mbit ~80" in out
-  assert "time_to_target_within_floor_at_100mbit (<= 1.3): none" in out
+  assert ("time_to_target_within_strict_floor_at_100mbit (<= 1.3): none; not met: "
+          "adacomp@100mbit 1.67") in out
 
 
 # --- Several devices per worker -------------------------------------------------------------
