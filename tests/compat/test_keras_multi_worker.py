@@ -206,6 +206,36 @@ def test_fix_is_a_no_op_without_multi_worker(unpatched_keras, kind):
   np.testing.assert_array_equal(predictions_after, predictions_before)
 
 
+def test_logs_are_averaged_in_one_all_reduce_per_dtype(monkeypatch):
+  """``mean_over_replicas``: every logged value's mean over the replicas, exactly what a
+  reduction per value gives, in one ``strategy.reduce`` per dtype (a fixed cost of
+  every step in multi-worker mode, one collective instead of one per logged value)."""
+  strategy = distribute.mirrored_strategy(devices=_cpus())
+
+  def per_replica(fn):
+    return strategy.experimental_distribute_values_from_function(
+        lambda ctx: fn(float(ctx.replica_id_in_sync_group)))
+
+  values = {
+      "loss": per_replica(lambda r: tf.constant(1.5 * r + 0.25)),
+      "accuracy": per_replica(lambda r: tf.constant(0.5 + 0.125 * r)),
+      "per_class": per_replica(lambda r: tf.reshape(tf.range(6.0) * (r + 1.0), [2, 3])),
+      "steps": per_replica(lambda r: tf.constant([2.0, 4.0], tf.float64) * (r + 1.0)),
+      "alone": per_replica(lambda r: tf.constant(3, tf.int32)),
+  }
+  expected = {k: strategy.reduce("MEAN", v, axis=None) for k, v in values.items()}
+  calls = []
+  reduce = strategy.reduce
+  monkeypatch.setattr(strategy, "reduce",
+                      lambda op, value, axis: calls.append(op) or reduce(op, value, axis))
+  got = kmw.mean_over_replicas(values, strategy)
+  assert sorted(got) == sorted(values)
+  for key, value in expected.items():
+    assert got[key].dtype == value.dtype and got[key].shape == value.shape, key
+    np.testing.assert_array_equal(got[key], value, err_msg=key)
+  assert calls == ["MEAN"] * 3  # float32 (3 values), float64, int32
+
+
 @pytest.mark.parametrize("reduction", ["auto", "mean", "sum", "first", "concat"])
 def test_patched_reduce_per_replica_is_the_original_under_mirrored(unpatched_keras, reduction):
   original = keras_trainer.reduce_per_replica

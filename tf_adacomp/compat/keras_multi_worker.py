@@ -40,8 +40,10 @@ the original Keras function for everything else:
    ``iterator=None``), so scoping and building are still done by Keras' own code.
 2. ``REDUCE_PER_REPLICA``, with ``reduction`` ``"auto"`` or ``"mean"`` in multi-worker
    mode (Keras' own test, ``_collective_all_reduce_multi_worker``): every value is
-   reduced with ``strategy.reduce("MEAN", v, axis=None)``, the element-wise mean over
-   all replicas of all workers. That is what the single-worker branch of the same
+   reduced to its element-wise mean over all replicas of all workers
+   (``strategy.reduce("MEAN", v, axis=None)``), the values of one dtype packed into one
+   all-reduce (``mean_over_replicas``: one collective per step, not one per logged
+   value). That is what the single-worker branch of the same
    function computes over local replicas (``tf.reduce_mean(local_results, axis=0)``
    stacks the replicas' values on a new axis 0 and averages over it). Metric variables
    in Keras 3 are ``on_read`` (replica-local), so each replica's logs are its own
@@ -170,12 +172,55 @@ def in_multi_worker_mode(strategy) -> bool:
   return _is_multi_worker_mirrored(strategy) and internals.in_multi_worker_mode(strategy)
 
 
+def mean_over_replicas(values, strategy):
+  """Every value of the structure ``values`` averaged element-wise over all replicas of
+  all workers, in one all-reduce per dtype.
+
+  Reducing each value on its own (``strategy.reduce`` per leaf) costs one cross-worker
+  collective per logged value per step (the loss and each metric), a fixed cost that
+  every step pays, including steps whose exchange sends nothing. Here each replica
+  packs its values of one dtype into one vector (``strategy.run``), the vector is
+  reduced once, and split back: the same element-wise sums, so the same results. A
+  value whose shape is not fully known is reduced on its own.
+  """
+  leaves = keras.tree.flatten(values)
+  reduced = list(leaves)
+  groups = {}
+  for i, leaf in enumerate(leaves):
+    local = _first_local(leaf, strategy)
+    if tf.TensorShape(getattr(local, "shape", None)).is_fully_defined():
+      groups.setdefault(local.dtype, []).append(i)
+    else:
+      reduced[i] = strategy.reduce("MEAN", leaf, axis=None)
+  for members in groups.values():
+    if len(members) == 1:
+      reduced[members[0]] = strategy.reduce("MEAN", leaves[members[0]], axis=None)
+      continue
+    shapes = [_first_local(leaves[i], strategy).shape for i in members]
+    packed = strategy.run(
+        lambda *vs: tf.concat([tf.reshape(v, [-1]) for v in vs], 0),
+        args=tuple(leaves[i] for i in members))
+    means = strategy.reduce("MEAN", packed, axis=None)
+    parts = tf.split(means, [s.num_elements() for s in shapes])
+    for i, part, shape in zip(members, parts, shapes):
+      reduced[i] = tf.reshape(part, shape)
+  return keras.tree.pack_sequence_as(values, reduced)
+
+
+def _first_local(value, strategy):
+  """This worker's first replica's component of ``value`` (``value`` itself when it is
+  not distributed)."""
+  if isinstance(value, tf.distribute.DistributedValues):
+    return strategy.experimental_local_results(value)[0]
+  return value
+
+
 def _wrap_reduce_per_replica(original):
   @functools.wraps(original)
   def reduce_per_replica(values, strategy, reduction):
     if reduction in ("auto", "mean") and in_multi_worker_mode(strategy):
       # "auto" is "mean" for every strategy but TPUStrategy, which is not multi-worker MWMS.
-      return keras.tree.map_structure(lambda v: strategy.reduce("MEAN", v, axis=None), values)
+      return mean_over_replicas(values, strategy)
     return original(values, strategy, reduction)
 
   return reduce_per_replica
