@@ -16,7 +16,9 @@ CompressedOptimizer's exchange; ``+H8`` runs rounds of 8 local steps whose
 pseudo-updates are compressed, exchanged and averaged (local_steps=8,
 outer_optimizer="average"); ``+H8+nesterov`` steps them with DiLoCo's outer Nesterov
 SGD instead. With local steps the workers evaluate (and stop) only at round ends.
-``+flat`` gives CompressedOptimizer ``hierarchical=False`` (below).
+``+flat`` gives CompressedOptimizer ``hierarchical=False`` (below). ``+perlog`` averages
+the logs across workers with one all-reduce per logged value, as the library did before
+it packed them into one (a baseline: network_worker.py).
 
 Several devices per worker: --devices_per_worker 1,2 runs every variant with each
 worker's strategy on 1, then 2 local replicas (logical CPUs; network_worker.py). The
@@ -156,12 +158,13 @@ RATIO_INPUTS = {"ratio_to_alone_time_to_target": (),  # never estimated
 # "updates"; local_steps None (1) or H; outer_optimizer None, "average" or "nesterov";
 # hierarchical None (the library's) or False (+flat).
 Variant = collections.namedtuple(
-    "Variant", "compressor exchange local_steps outer_optimizer hierarchical",
-    defaults=(None,))
+    "Variant", "compressor exchange local_steps outer_optimizer hierarchical "
+    "log_reduction", defaults=(None, None))
 VARIANT_SYNTAX = ("a compressor's suffixes are +gradients or +updates (the exchange), "
                   "+H<steps> (local steps, an integer >= 1), +nesterov (with +H: "
-                  "DiLoCo's outer Nesterov SGD) and +flat (hierarchical=False), each at "
-                  "most once")
+                  "DiLoCo's outer Nesterov SGD), +flat (hierarchical=False) and +perlog "
+                  "(the logs averaged with one all-reduce per value, the old way), each "
+                  "at most once")
 
 
 def _read_json(path):
@@ -228,7 +231,7 @@ def split_variant(variant):
       all-reduce: no CompressedOptimizer), naming ``compressor`` and the value.
   """
   compressor, *suffixes = variant.split("+")
-  exchange = local_steps = outer = hierarchical = None
+  exchange = local_steps = outer = hierarchical = log_reduction = None
   error = ValueError(f"{VARIANT_SYNTAX}. Received: compressor={variant!r}")
   if not compressor or len(set(suffixes)) != len(suffixes):
     raise error
@@ -242,6 +245,8 @@ def split_variant(variant):
       outer = "nesterov"
     elif suffix == "flat":
       hierarchical = False
+    elif suffix == "perlog":
+      log_reduction = "per_value"
     else:
       raise error
   if (hierarchical is False and compressor == DENSE and exchange in (None, "gradients")
@@ -258,7 +263,7 @@ def split_variant(variant):
                      f"+gradients. Received: compressor={variant!r}")
   if local_steps is not None:
     outer = outer or "average"
-  return Variant(compressor, exchange, local_steps, outer, hierarchical)
+  return Variant(compressor, exchange, local_steps, outer, hierarchical, log_reduction)
 
 
 def worker_argv(args, model, variant, out, alone=False, topk_density=None, devices=1,
@@ -280,6 +285,8 @@ def worker_argv(args, model, variant, out, alone=False, topk_density=None, devic
              f"--outer_optimizer={parsed.outer_optimizer}"]
   if parsed.hierarchical is False:
     argv.append("--flat")
+  if parsed.log_reduction:
+    argv.append(f"--log_reduction={parsed.log_reduction}")
   if topk_density:
     argv.append(f"--topk_density={topk_density:.6g}")
   if devices > 1 and not alone:

@@ -17,6 +17,10 @@ examples: the worker's batch stays --batch_size whatever D. CompressedOptimizer 
 sums the worker's replicas locally and sends one payload per worker (the hierarchical
 exchange), or with --flat every replica's own (``hierarchical=False``).
 
+--log_reduction=per_value averages the step's logs across workers with one all-reduce
+per logged value, as the library did before it packed them into one
+(``compat.keras_multi_worker.mean_over_replicas``): the baseline of that change.
+
 With --netns the worker reads its link's counters (``ip -n NETNS -s -j link show
 --link_device``; benchmarks/netns.py) before training, after step 1 (which may move
 one-off traffic: variables made at the first step are broadcast) and at the end: the
@@ -58,6 +62,9 @@ def parse(argv=None):
                       "counters (`ip -n NETNS -s -j link show LINK_DEVICE`)")
   parser.add_argument("--link_device", default="eth0", help="the link's device in --netns")
   parser.add_argument("--topk_density", type=float, default=0.01)
+  parser.add_argument("--log_reduction", default="packed", choices=("packed", "per_value"),
+                      help="multi-worker logs: one all-reduce (the library's) or one per "
+                      "logged value (the baseline)")
   parser.add_argument("--width", type=int, default=2048, help="MLP hidden width")
   parser.add_argument("--batch_size", type=int, default=64, help="per worker")
   parser.add_argument("--learning_rate", type=float, default=0.05)
@@ -112,6 +119,12 @@ def with_hierarchical(tf_adacomp, hierarchical, build):
     return build()
   finally:
     tf_adacomp.CompressedOptimizer = real
+
+
+def per_value_mean(values, strategy):
+  """The baseline of --log_reduction=per_value: one all-reduce per logged value."""
+  import keras  # pylint: disable=g-import-not-at-top
+  return keras.tree.map_structure(lambda v: strategy.reduce("MEAN", v, axis=None), values)
 
 
 def eval_interval(eval_every, local_steps):
@@ -194,6 +207,9 @@ def main(argv=None):
   x_test, y_test = next(iter(data.test.batch(args.eval_size)))
   x_test, y_test = x_test.numpy(), y_test.numpy()
 
+  if args.log_reduction == "per_value":
+    from tf_adacomp.compat import keras_multi_worker  # pylint: disable=g-import-not-at-top
+    keras_multi_worker.mean_over_replicas = per_value_mean
   with strategy.scope():
     model = (build_mlp(args.width) if args.model == "mlp"
              else example.build_model(config, data))
@@ -306,7 +322,7 @@ def main(argv=None):
                    link["begin"], link.get("after_first_step"), link["end"],
                    len(timer.times)) if link else None,
                "compressor": args.compressor, "alone": args.alone,
-               "local_steps": local_steps,
+               "local_steps": local_steps, "log_reduction": args.log_reduction,
                "outer_optimizer": None if args.alone else args.outer_optimizer,
                "parameters": dense_bytes // 4, "batch_size_per_worker": args.batch_size,
                "step_seconds": timer.times, "median_step_seconds": timer.median(),

@@ -56,14 +56,26 @@ def test_split_variant(variant, expected):
     ("none+updates+flat", ("none", "updates", None, None, False)),  # CompressedOptimizer's
 ])
 def test_split_variant_flat(variant, expected):
-  assert network.split_variant(variant) == expected
+  assert network.split_variant(variant)[:5] == expected
+
+
+@pytest.mark.parametrize("variant,logs", [
+    ("adacomp", None), ("adacomp+H8+perlog", "per_value"), ("none+perlog", "per_value")])
+def test_split_variant_log_reduction_reaches_the_worker(variant, logs):
+  assert network.split_variant(variant).log_reduction == logs
+  class Args:  # network.py's parsed arguments, as far as worker_argv reads them
+    batch_size, width, max_steps, target_accuracy, eval_every = 64, 256, 64, None, 10
+    threads, max_run_seconds, synthetic = 1, 30.0, False
+
+  argv = network.worker_argv(Args, "cnn", variant, "/tmp/o.json")
+  assert network_worker.parse(argv[2:]).log_reduction == (logs or "packed")
 
 
 @pytest.mark.parametrize("variant", [
     "adacomp+fast", "adacomp+H0", "adacomp+Hx", "adacomp+H", "adacomp+h8", "adacomp+H-1",
     "adacomp+H8+H8", "adacomp+H8+H16", "adacomp+updates+gradients", "adacomp+nesterov",
     "adacomp+H8+gradients", "+H8", "adacomp+", "adacomp+flat+flat", "adacomp+Flat",
-    "none+flat", "none+gradients+flat"])
+    "none+flat", "none+gradients+flat", "adacomp+perlog+perlog", "adacomp+Perlog"])
 def test_split_variant_names_the_bad_variant(variant):
   with pytest.raises(ValueError, match="Received: compressor=") as error:
     network.split_variant(variant)
