@@ -18,7 +18,10 @@ outer_optimizer="average"); ``+H8+nesterov`` steps them with DiLoCo's outer Nest
 SGD instead. With local steps the workers evaluate (and stop) only at round ends.
 ``+flat`` gives CompressedOptimizer ``hierarchical=False`` (below). ``+perlog`` averages
 the logs across workers with one all-reduce per logged value, as the library did before
-it packed them into one (a baseline: network_worker.py).
+it packed them into one (a baseline: network_worker.py). ``+auto`` gives
+CompressedOptimizer ``dense_when_faster=True``: the faster of the compressed exchange
+and the dense all-reduce, as it measures them in the run (``exchange_choice`` in the
+JSON says which it chose).
 
 Several devices per worker: --devices_per_worker 1,2 runs every variant with each
 worker's strategy on 1, then 2 local replicas (logical CPUs; network_worker.py). The
@@ -159,12 +162,12 @@ RATIO_INPUTS = {"ratio_to_alone_time_to_target": (),  # never estimated
 # hierarchical None (the library's) or False (+flat).
 Variant = collections.namedtuple(
     "Variant", "compressor exchange local_steps outer_optimizer hierarchical "
-    "log_reduction", defaults=(None, None))
+    "log_reduction auto", defaults=(None, None, None))
 VARIANT_SYNTAX = ("a compressor's suffixes are +gradients or +updates (the exchange), "
                   "+H<steps> (local steps, an integer >= 1), +nesterov (with +H: "
-                  "DiLoCo's outer Nesterov SGD), +flat (hierarchical=False) and +perlog "
-                  "(the logs averaged with one all-reduce per value, the old way), each "
-                  "at most once")
+                  "DiLoCo's outer Nesterov SGD), +flat (hierarchical=False), +auto "
+                  "(dense_when_faster=True) and +perlog (the logs averaged with one "
+                  "all-reduce per value, the old way), each at most once")
 
 
 def _read_json(path):
@@ -231,7 +234,7 @@ def split_variant(variant):
       all-reduce: no CompressedOptimizer), naming ``compressor`` and the value.
   """
   compressor, *suffixes = variant.split("+")
-  exchange = local_steps = outer = hierarchical = log_reduction = None
+  exchange = local_steps = outer = hierarchical = log_reduction = auto = None
   error = ValueError(f"{VARIANT_SYNTAX}. Received: compressor={variant!r}")
   if not compressor or len(set(suffixes)) != len(suffixes):
     raise error
@@ -247,6 +250,8 @@ def split_variant(variant):
       hierarchical = False
     elif suffix == "perlog":
       log_reduction = "per_value"
+    elif suffix == "auto":
+      auto = True
     else:
       raise error
   if (hierarchical is False and compressor == DENSE and exchange in (None, "gradients")
@@ -263,7 +268,10 @@ def split_variant(variant):
                      f"+gradients. Received: compressor={variant!r}")
   if local_steps is not None:
     outer = outer or "average"
-  return Variant(compressor, exchange, local_steps, outer, hierarchical, log_reduction)
+  if auto and compressor == DENSE and exchange in (None, "gradients") and not local_steps:
+    raise ValueError(f"+auto is CompressedOptimizer's dense_when_faster; {DENSE} alone is "
+                     f"Keras' own all-reduce. Received: compressor={variant!r}")
+  return Variant(compressor, exchange, local_steps, outer, hierarchical, log_reduction, auto)
 
 
 def worker_argv(args, model, variant, out, alone=False, topk_density=None, devices=1,
@@ -287,6 +295,8 @@ def worker_argv(args, model, variant, out, alone=False, topk_density=None, devic
     argv.append("--flat")
   if parsed.log_reduction:
     argv.append(f"--log_reduction={parsed.log_reduction}")
+  if parsed.auto:
+    argv.append("--auto")
   if topk_density:
     argv.append(f"--topk_density={topk_density:.6g}")
   if devices > 1 and not alone:

@@ -17,6 +17,10 @@ examples: the worker's batch stays --batch_size whatever D. CompressedOptimizer 
 sums the worker's replicas locally and sends one payload per worker (the hierarchical
 exchange), or with --flat every replica's own (``hierarchical=False``).
 
+--auto gives CompressedOptimizer ``dense_when_faster=True``: it measures the compressed
+exchange against the dense all-reduce in the run itself and uses the faster
+(``tf_adacomp.steps.choice``); the JSON keeps what it chose (``exchange_choice``).
+
 --log_reduction=per_value averages the step's logs across workers with one all-reduce
 per logged value, as the library did before it packed them into one
 (``compat.keras_multi_worker.mean_over_replicas``): the baseline of that change.
@@ -62,6 +66,9 @@ def parse(argv=None):
                       "counters (`ip -n NETNS -s -j link show LINK_DEVICE`)")
   parser.add_argument("--link_device", default="eth0", help="the link's device in --netns")
   parser.add_argument("--topk_density", type=float, default=0.01)
+  parser.add_argument("--auto", action="store_true",
+                      help="CompressedOptimizer(dense_when_faster=True): the faster of the "
+                      "compressed exchange and the dense all-reduce, measured")
   parser.add_argument("--log_reduction", default="packed", choices=("packed", "per_value"),
                       help="multi-worker logs: one all-reduce (the library's) or one per "
                       "logged value (the baseline)")
@@ -103,16 +110,17 @@ def link_per_step(begin, after_first, end, steps):
   return {name: value / count for name, value in delta.items()}
 
 
-def with_hierarchical(tf_adacomp, hierarchical, build):
-  """``build()`` with every ``tf_adacomp.CompressedOptimizer`` it makes given
-  ``hierarchical`` (None: ``build()`` as it is). The examples' ``make_optimizer`` has no
-  such setting: its constructor is wrapped for the call only."""
-  if hierarchical is None:
+def with_options(tf_adacomp, options, build):
+  """``build()`` with every ``tf_adacomp.CompressedOptimizer`` it makes given the keyword
+  arguments ``options`` (``hierarchical``, ``dense_when_faster``; empty: ``build()`` as it
+  is). The examples' ``make_optimizer`` has no such settings: its constructor is wrapped
+  for the call only."""
+  if not options:
     return build()
   real = tf_adacomp.CompressedOptimizer
 
   def make(*args, **kwargs):
-    return real(*args, **dict(kwargs, hierarchical=hierarchical))
+    return real(*args, **dict(kwargs, **options))
 
   tf_adacomp.CompressedOptimizer = make
   try:
@@ -213,9 +221,10 @@ def main(argv=None):
   with strategy.scope():
     model = (build_mlp(args.width) if args.model == "mlp"
              else example.build_model(config, data))
-    optimizer = with_hierarchical(
-        tf_adacomp, False if args.flat and not args.alone else None,
-        lambda: optimizers.make_optimizer(config, args.max_steps))
+    options = {} if args.alone else dict(
+        [("hierarchical", False)] * args.flat + [("dense_when_faster", True)] * args.auto)
+    optimizer = with_options(tf_adacomp, options,
+                             lambda: optimizers.make_optimizer(config, args.max_steps))
     # jit_compile=False: the floor and every cluster run are the same Keras program
     # (on a CPU-only host Keras' "auto" is False anyway; said here so it stays so).
     model.compile(optimizer=optimizer, jit_compile=False,
@@ -323,6 +332,7 @@ def main(argv=None):
                    len(timer.times)) if link else None,
                "compressor": args.compressor, "alone": args.alone,
                "local_steps": local_steps, "log_reduction": args.log_reduction,
+               "exchange_choice": (optimizer.exchange_choice() if compressed else None),
                "outer_optimizer": None if args.alone else args.outer_optimizer,
                "parameters": dense_bytes // 4, "batch_size_per_worker": args.batch_size,
                "step_seconds": timer.times, "median_step_seconds": timer.median(),

@@ -5,6 +5,7 @@ import math
 import keras
 import tensorflow as tf
 
+from tf_adacomp import log
 from tf_adacomp import stats
 from tf_adacomp.compat import internals
 from tf_adacomp.cross_device_ops import CompressedAllReduce
@@ -27,7 +28,9 @@ class CompressionStats(keras.callbacks.Callback):
   ``compression/``, per step and per epoch (``epoch_...``; a step that sent nothing has
   no ratio and writes none). ``totals()`` gives the bytes and ratios of the whole
   training run, every byte counted, per kind; ``variable_totals()`` the same per
-  variable (per layer weight).
+  variable (per layer weight). With ``CompressedOptimizer(dense_when_faster=True)`` each
+  decision between the dense and the compressed exchange is logged (logger
+  ``tf_adacomp``), with the step times it was taken on.
 
   Args:
     source: the ``CompressedOptimizer`` or ``CompressedAllReduce`` to read; by default
@@ -60,6 +63,7 @@ class CompressionStats(keras.callbacks.Callback):
     self._variables = {}
     self._iterations = None  # the source's step count at the last batch end
     self._has_moments = False  # whether the source averages Adam's moments
+    self._decision = None  # the last decision of dense_when_faster logged
 
   def _find_source(self):
     optimizer = self.model.optimizer
@@ -102,7 +106,23 @@ class CompressionStats(keras.callbacks.Callback):
     # A step the optimizer skipped (non-finite gradients) averaged no moments.
     return moments if moments is None or advanced else [0] * len(moments)
 
+  def _log_decision(self):
+    """Logs a new decision of ``dense_when_faster`` (the source's ``exchange_choice``)."""
+    exchange_choice = getattr(self.source, "exchange_choice", None)
+    choice = exchange_choice() if exchange_choice is not None else None
+    if not choice or choice["phase"] != "chosen":
+      return
+    decision = (choice["exchange"], choice["compressed_step_seconds"],
+                choice["dense_step_seconds"])
+    if decision != self._decision:
+      self._decision = decision
+      log.info("dense_when_faster: the %s exchange from step %d (a step took %.1f ms "
+               "compressed, %.1f ms dense: medians over every replica).",
+               "dense" if choice["exchange"] == "dense" else "compressed",
+               self._source_iterations() or 0, 1e3 * decision[1], 1e3 * decision[2])
+
   def on_train_batch_end(self, batch, logs=None):
+    self._log_decision()
     variable_bytes = self.source.variable_bytes()
     moments = self._moment_bytes()
     if not variable_bytes:

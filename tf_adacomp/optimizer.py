@@ -36,6 +36,7 @@ from tf_adacomp.compat import keras_multi_worker
 from tf_adacomp.compat import loss_scale
 from tf_adacomp.compressors import registry
 from tf_adacomp.steps import arguments
+from tf_adacomp.steps import choice as choice_lib
 from tf_adacomp.steps import gradients as gradients_step
 from tf_adacomp.steps import guard as guard_lib
 from tf_adacomp.steps import inner as inner_lib
@@ -133,6 +134,14 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
       the optimizer is built. A value restored from a saved config (``load_model``) that
       does not fit where it is restored is replaced, with a warning
       (``tf_adacomp.hierarchy``).
+    dense_when_faster: bool, default False. True: the wrapper measures, in the training
+      itself, a step with the compressed exchange against a step with the dense
+      float32 all-reduce, every replica agreeing, and exchanges with the faster
+      (``steps.choice``: probes of 10 exchanges each, the medians of their step times;
+      probed again after 200 exchanges, and twice as late each time the same choice
+      wins, up to 3,200). A dense step sums the values exactly and keeps the residues for
+      later. ``exchange_choice()`` says what it chose and why. Needs reduction="sum",
+      no ``start_step`` and no ``momentum_masking``.
 
   Raises:
     TypeError: ``inner_optimizer`` is not a Keras optimizer; an unknown keyword argument
@@ -157,12 +166,12 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
                reduction="sum", adasum_mode=None, exchange=None, momentum_masking=False,
                local_clipnorm=None, second_moment=None, second_moment_interval=None,
                precondition="before", local_steps=1, outer_optimizer=None, hierarchical=None,
-               devices_per_worker=None, **kwargs):
+               devices_per_worker=None, dense_when_faster=False, **kwargs):
     settings = arguments.resolve(
         CompressedOptimizer.__init__, inner_optimizer, compressor, start_step, reduction,
         adasum_mode, exchange, momentum_masking, local_clipnorm, second_moment,
         second_moment_interval, precondition, local_steps, outer_optimizer, hierarchical,
-        devices_per_worker, kwargs)
+        devices_per_worker, dense_when_faster, kwargs)
     # Keras 3 model.fit needs a fix under multi-worker MultiWorkerMirroredStrategy:
     # applied here and in build(), so that the standard strategy constructor just works.
     keras_multi_worker.apply_keras_multi_worker_fix_for(tf.distribute.get_strategy())
@@ -230,6 +239,7 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
     if self.local_steps > 1:
       # The weights every replica held when the round began (equal on all).
       self.anchors = make.like(var_list, "anchor", "only_first_replica")
+    self._choice = choice_lib.Choice(make, var_list[0]) if self.dense_when_faster else None
     inner_lib.build(self.inner_optimizer, var_list, per_replica=self.exchange == "updates",
                     outer_optimizer=self.outer_optimizer)
     self._reading_own_settings = True  # no accumulators here: the inner optimizer has them
@@ -247,7 +257,7 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
     """The exchange mode's step (``tf_adacomp.steps``) over this wrapper's state."""
     guard = guard_lib.Guard(self._exchange, self.hierarchy, self.plans, self.residues,
                             self.bytes_sent, self._distribution_strategy,
-                            on_traced=self._compile_log.traced)
+                            on_traced=self._compile_log.traced, choice=self._choice)
     inner = inner_lib.KerasInner(self.inner_optimizer, self.local_clipnorm)
     if self.second_moment in ("shared", "global"):
       return shared_adam.SharedMoment(
@@ -277,6 +287,22 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
     ``inner_optimizer``, whose entry holds the replicas' means). Empty before ``build``
     and with one replica."""
     return replica_state.FileCopies(self.variables if self.built else [])
+
+  def exchange_choice(self):
+    """What ``dense_when_faster=True`` chose, and why.
+
+    Returns:
+      None without ``dense_when_faster`` or before ``build``; else a dict:
+      ``"exchange"`` ("dense" or "compressed": what the last exchange was; before the
+      first, "compressed", the first probe's), ``"phase"`` ("probing compressed",
+      "probing dense" or "chosen"), and the replicas' median
+      step times in seconds at the last decision, ``"compressed_step_seconds"`` and
+      ``"dense_step_seconds"`` (None before the first; dense's is its one step where
+      that was already more than 4 times the compressed median).
+    """
+    if not self.built or self._choice is None:
+      return None
+    return choice_lib.describe(self._choice)
 
   # --- Applying gradients ----------------------------------------------------------
 
@@ -358,6 +384,7 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
         "outer_optimizer": local_steps_lib.serialize_outer(self.outer_optimizer),
         "hierarchical": self.hierarchical,
         "devices_per_worker": self.devices_per_worker,
+        "dense_when_faster": self.dense_when_faster,
     }
 
   @classmethod

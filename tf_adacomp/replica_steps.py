@@ -32,6 +32,37 @@ def on_every_replica_if(flag, fn, values):
   tf.distribute.get_replica_context().merge_call(in_cross_replica, args=(values, flag))
 
 
+def cond_on_every_replica(flag, true_fn, false_fn, values):
+  """``true_fn(values)`` if ``flag`` else ``false_fn(values)``, in every replica: each
+  replica's own result (the branches may run collectives; ``flag`` is the same on every
+  replica).
+
+  As ``on_every_replica_if``: where the strategy needs a merge_call for a collective
+  (MirroredStrategy on CPUs), the cond is taken in cross-replica context, and each
+  replica receives its own part of the branch's results. Each replica's own tensors
+  must reach the branches through ``values``: under MirroredStrategy the branches run
+  for every replica from one thread, and a tensor a branch closed over would be the
+  first replica's on every replica.
+
+  Args:
+    flag: a boolean scalar tensor, equal on every replica.
+    true_fn, false_fn: functions of ``values``, called in a replica context, that return
+      the same structure of tensors.
+    values: a structure of this replica's tensors.
+  """
+  if tf.__internal__.distribute.strategy_supports_no_merge_call():
+    return tf.cond(flag, lambda: true_fn(values), lambda: false_fn(values))
+
+  def in_cross_replica(distribution, flag, values):
+    flag = distribution.experimental_local_results(flag)[0]
+    return tf.cond(
+        flag, lambda: distribution.extended.call_for_each_replica(true_fn, args=(values,)),
+        lambda: distribution.extended.call_for_each_replica(false_fn, args=(values,)))
+
+  return tf.distribute.get_replica_context().merge_call(in_cross_replica,
+                                                        args=(flag, values))
+
+
 def all_replicas_finite(finite, *counts):
   """Whether ``finite`` (this replica's bool) holds on every replica, and the sums over
   the replicas of ``counts`` (float32 scalars), in one all-reduce: the one place where

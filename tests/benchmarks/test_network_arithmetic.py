@@ -59,6 +59,19 @@ def test_split_variant_flat(variant, expected):
   assert network.split_variant(variant)[:5] == expected
 
 
+@pytest.mark.parametrize("variant,auto", [
+    ("adacomp", False), ("adacomp+auto", True), ("bf16+auto", True),
+    ("adacomp+H8+auto", True), ("none+updates+auto", True)])
+def test_split_variant_auto_reaches_the_worker(variant, auto):
+  assert bool(network.split_variant(variant).auto) == auto
+  class Args:  # network.py's parsed arguments, as far as worker_argv reads them
+    batch_size, width, max_steps, target_accuracy, eval_every = 64, 256, 64, None, 10
+    threads, max_run_seconds, synthetic = 1, 30.0, False
+
+  argv = network.worker_argv(Args, "cnn", variant, "/tmp/o.json")
+  assert network_worker.parse(argv[2:]).auto == auto
+
+
 @pytest.mark.parametrize("variant,logs", [
     ("adacomp", None), ("adacomp+H8+perlog", "per_value"), ("none+perlog", "per_value")])
 def test_split_variant_log_reduction_reaches_the_worker(variant, logs):
@@ -75,7 +88,7 @@ def test_split_variant_log_reduction_reaches_the_worker(variant, logs):
     "adacomp+fast", "adacomp+H0", "adacomp+Hx", "adacomp+H", "adacomp+h8", "adacomp+H-1",
     "adacomp+H8+H8", "adacomp+H8+H16", "adacomp+updates+gradients", "adacomp+nesterov",
     "adacomp+H8+gradients", "+H8", "adacomp+", "adacomp+flat+flat", "adacomp+Flat",
-    "none+flat", "none+gradients+flat", "adacomp+perlog+perlog", "adacomp+Perlog"])
+    "none+flat", "none+gradients+flat", "adacomp+perlog+perlog", "adacomp+Perlog", "none+auto", "adacomp+auto+auto"])
 def test_split_variant_names_the_bad_variant(variant):
   with pytest.raises(ValueError, match="Received: compressor=") as error:
     network.split_variant(variant)
@@ -149,19 +162,22 @@ def test_worker_parse_devices_and_flat():
     network_worker.parse(["--out=/tmp/o.json", "--devices_per_worker=3"])  # 64 / 3
 
 
-def test_with_hierarchical_forces_the_argument_for_the_call_only():
+def test_with_options_forces_the_arguments_for_the_call_only():
   class Optimizer:
-    def __init__(self, inner, hierarchical=None):
+    def __init__(self, inner, hierarchical=None, dense_when_faster=False):
       self.inner, self.hierarchical = inner, hierarchical
+      self.dense_when_faster = dense_when_faster
 
   class Package:
     CompressedOptimizer = Optimizer
 
-  made = network_worker.with_hierarchical(
-      Package, False, lambda: Package.CompressedOptimizer("sgd", hierarchical=None))
-  assert made.hierarchical is False and Package.CompressedOptimizer is Optimizer
-  assert network_worker.with_hierarchical(
-      Package, None, lambda: Package.CompressedOptimizer("sgd")).hierarchical is None
+  made = network_worker.with_options(
+      Package, {"hierarchical": False, "dense_when_faster": True},
+      lambda: Package.CompressedOptimizer("sgd", hierarchical=None))
+  assert made.hierarchical is False and made.dense_when_faster is True
+  assert Package.CompressedOptimizer is Optimizer
+  plain = network_worker.with_options(Package, {}, lambda: Package.CompressedOptimizer("sgd"))
+  assert plain.hierarchical is None and plain.dense_when_faster is False
 
 
 # --- The link's counters -------------------------------------------------------------------

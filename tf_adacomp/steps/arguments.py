@@ -53,12 +53,13 @@ class Settings(NamedTuple):
   outer_optimizer: Union[str, keras.optimizers.Optimizer]
   hierarchical: Optional[bool]
   devices_per_worker: Optional[int]
+  dense_when_faster: bool
 
 
 def resolve(wrapper_init, inner_optimizer, compressor, start_step, reduction, adasum_mode,
             exchange, momentum_masking, local_clipnorm, second_moment,
             second_moment_interval, precondition, local_steps, outer_optimizer,
-            hierarchical, devices_per_worker, kwargs) -> Settings:
+            hierarchical, devices_per_worker, dense_when_faster, kwargs) -> Settings:
   """Checks ``CompressedOptimizer``'s arguments (``wrapper_init``: its ``__init__``, for
   the valid keyword names) and resolves the defaults.
 
@@ -93,6 +94,8 @@ def resolve(wrapper_init, inner_optimizer, compressor, start_step, reduction, ad
                      f"Received: local_steps={local_steps!r}, use_ema=True")
   second_moment = shared_adam.resolve_second_moment(
       second_moment, exchange, reduction, inner_optimizer, momentum_masking, local_steps)
+  dense_when_faster = check_dense_when_faster(dense_when_faster, reduction, start_step,
+                                              momentum_masking)
   return Settings(
       compressor=compressor, start_step=start_step, reduction=reduction, exchange=exchange,
       momentum_masking=momentum_masking, local_clipnorm=local_clipnorm,
@@ -102,7 +105,30 @@ def resolve(wrapper_init, inner_optimizer, compressor, start_step, reduction, ad
       precondition=shared_adam.check_precondition(precondition, second_moment),
       local_steps=local_steps, outer_optimizer=outer_optimizer,
       hierarchical=hierarchy_lib.check_hierarchical(hierarchical),
-      devices_per_worker=hierarchy_lib.check_devices_per_worker(devices_per_worker))
+      devices_per_worker=hierarchy_lib.check_devices_per_worker(devices_per_worker),
+      dense_when_faster=dense_when_faster)
+
+
+def check_dense_when_faster(dense_when_faster, reduction, start_step, momentum_masking):
+  """``dense_when_faster`` as a bool, or ValueError where it cannot apply: its dense
+  exchange is a sum (not Adasum), and a warm-up or momentum masking would change what
+  its probes measure or mask."""
+  dense_when_faster = checks.boolean(dense_when_faster, "dense_when_faster")
+  if not dense_when_faster:
+    return False
+  received = "Received: dense_when_faster=True, "
+  if reduction != "sum":
+    raise ValueError("`dense_when_faster=True` chooses between the compressed exchange and "
+                     "the dense sum, and needs reduction='sum'. "
+                     f"{received}reduction={reduction!r}")
+  if start_step:
+    raise ValueError("`dense_when_faster=True` measures its own dense steps and does not "
+                     "take a dense warm-up (`start_step` > 0). "
+                     f"{received}start_step={start_step!r}")
+  if momentum_masking:
+    raise ValueError("`dense_when_faster=True` does not take `momentum_masking=True` (a "
+                     f"dense step would mask nothing). {received}momentum_masking=True")
+  return True
 
 
 def check_inner(inner_optimizer):

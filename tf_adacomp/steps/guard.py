@@ -46,10 +46,12 @@ class Guard:
     strategy: the strategy the variables belong to.
     on_traced: None or a function called once per traced step, after the exchange (the
       wrapper's first-compile log).
+    choice: None, or the ``steps.choice.Choice`` that decides at each exchange whether
+      it is compressed or dense (``dense_when_faster``).
   """
 
   def __init__(self, engine, hierarchy, plans, residues, bytes_sent, strategy,
-               on_traced: Optional[Callable[[], None]] = None):
+               on_traced: Optional[Callable[[], None]] = None, choice=None):
     self.engine = engine
     self.hierarchy = hierarchy
     self.plans = plans
@@ -57,6 +59,7 @@ class Guard:
     self.bytes_sent = bytes_sent
     self.strategy = strategy
     self._on_traced = on_traced
+    self.choice = choice
 
   # --- 1. Agree ----------------------------------------------------------------------
 
@@ -93,7 +96,12 @@ class Guard:
       ``Exchanged`` (new states, bytes).
     """
     replicas = tf.distribute.get_replica_context().num_replicas_in_sync
-    exchanged = self.engine.replica_exchange(plans, values, states, dense, self.hierarchy)
+
+    def compressed(values, states):
+      return self.engine.replica_exchange(plans, values, states, dense, self.hierarchy)
+
+    exchanged = (compressed(values, states) if self.choice is None
+                 else self.choice.exchange(plans, values, states, compressed))
     scale = self.engine.reduction.to_mean if mean else self.engine.reduction.to_sum
     return [None if s is None else scale(s, replicas) for s in exchanged.sums], exchanged
 

@@ -1,0 +1,218 @@
+"""The measured choice between the compressed exchange and the dense all-reduce
+(tf_adacomp/steps/choice.py, ``CompressedOptimizer(dense_when_faster=True)``).
+
+- The schedule on a clock the test drives (one replica, eagerly): which exchanges are
+  compressed and which dense, what it decides from which periods, the early end of a
+  dense probe on a slow link, near-ties going to dense, the re-probes and their
+  doubling interval.
+- ``model.fit`` on 2 replicas with short probes: both exchanges run, a dense step sends
+  the float32 bytes and leaves the residues alone, and with ``compressor="none"`` the
+  wrapper still trains exactly as Keras does whichever exchange the clock picks.
+- The arguments: refused where they cannot apply, each naming the argument.
+"""
+
+import logging
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_adacomp
+from tf_adacomp.steps import choice as choice_lib
+from tf_adacomp.steps import variables as variables_lib
+
+DEVICES = ["/cpu:0", "/cpu:1"]
+PHASE = choice_lib.SETTLE + choice_lib.PROBE  # exchanges of one probe
+
+
+def _choice():
+  optimizer = keras.optimizers.SGD(0.1)
+  reference = keras.Variable(np.zeros(3, np.float32), name="w")
+  return choice_lib.Choice(variables_lib.Maker(optimizer), reference)
+
+
+def _drive(choice, exchanges, compressed_s, dense_s, start=100.0):
+  """Runs ``exchanges`` exchanges on a clock where a compressed exchange's period is
+  ``compressed_s`` (a number, or a function of the exchange's index) and a dense one's
+  ``dense_s``: returns the modes, "c" or "d", in order."""
+  now, modes = start, []
+  cost = lambda c, k: c(k) if callable(c) else c  # noqa: E731
+  for k in range(exchanges):
+    dense = bool(choice._schedule(tf.constant(now, tf.float64)))  # pylint: disable=protected-access
+    modes.append("d" if dense else "c")
+    now += cost(dense_s if dense else compressed_s, k)
+  return "".join(modes)
+
+
+def test_dense_is_chosen_where_it_is_faster():
+  choice = _choice()
+  modes = _drive(choice, 2 * PHASE + 5, compressed_s=0.030, dense_s=0.020)
+  assert modes == "c" * PHASE + "d" * PHASE + "d" * 5
+  described = choice_lib.describe(choice)
+  assert described["exchange"] == "dense" and described["phase"] == "chosen"
+  assert described["compressed_step_seconds"] == pytest.approx(0.030)
+  assert described["dense_step_seconds"] == pytest.approx(0.020)
+
+
+def test_compressed_is_kept_where_it_is_faster_and_probed_again_later_and_later():
+  choice = _choice()
+  first = 2 * PHASE + choice_lib.RECHECK
+  modes = _drive(choice, first + 2 * PHASE + 2 * choice_lib.RECHECK + 1,
+                 compressed_s=0.010, dense_s=0.025)
+  # Probes, the choice for RECHECK exchanges, probes again (the same answer), then the
+  # choice for twice as long.
+  assert modes == ("c" * PHASE + "d" * PHASE + "c" * choice_lib.RECHECK
+                   + "c" * PHASE + "d" * PHASE + "c" * (2 * choice_lib.RECHECK + 1))
+  assert int(choice.recheck.numpy()) == 2 * choice_lib.RECHECK
+  assert choice_lib.describe(choice)["exchange"] == "compressed"
+
+
+def test_a_much_slower_dense_probe_ends_after_one_step():
+  choice = _choice()
+  modes = _drive(choice, PHASE + 5, compressed_s=0.010, dense_s=1.0)
+  assert modes == "c" * PHASE + "d" + "c" * 4
+  described = choice_lib.describe(choice)
+  assert described["dense_step_seconds"] == pytest.approx(1.0)  # its one period
+
+
+def test_near_a_tie_dense_wins_and_outliers_do_not_decide():
+  choice = _choice()
+  # Compressed 1% faster (inside the margin), with an evaluation-sized outlier in each
+  # probe: the medians ignore them, and the exact exchange wins the near-tie.
+  compressed = lambda k: 5.0 if k == 5 else 0.0099  # noqa: E731
+  dense = lambda k: 5.0 if k == PHASE + 5 else 0.0100  # noqa: E731
+  modes = _drive(choice, 2 * PHASE + 1, compressed_s=compressed, dense_s=dense)
+  assert modes.endswith("d")
+  described = choice_lib.describe(choice)
+  assert described["compressed_step_seconds"] == pytest.approx(0.0099)
+  assert described["dense_step_seconds"] == pytest.approx(0.0100)
+
+
+def test_the_choice_changes_when_the_costs_do():
+  choice = _choice()
+  # The dense probe ends after one exchange; the choice runs from the next one on.
+  switch = PHASE + 1 + choice_lib.RECHECK
+  # Compressed is faster until the link gets fast (dense cheap) at the re-probe.
+  dense = lambda k: 0.050 if k < switch else 0.005  # noqa: E731
+  modes = _drive(choice, switch + 2 * PHASE + 3, compressed_s=0.010, dense_s=dense)
+  assert modes[:switch] == "c" * PHASE + "d" + "c" * choice_lib.RECHECK
+  assert modes[switch:] == "c" * PHASE + "d" * PHASE + "ddd"
+  assert int(choice.recheck.numpy()) == choice_lib.RECHECK  # a new choice: not doubled
+
+
+# --- In model.fit, on 2 replicas ---------------------------------------------------------
+
+
+@pytest.fixture
+def short_probes(monkeypatch):
+  """Probes of 1 settling and 2 counted periods, re-probed every 4 exchanges: both
+  exchanges run within a few steps (read when the optimizer is built)."""
+  monkeypatch.setattr(choice_lib, "SETTLE", 1)
+  monkeypatch.setattr(choice_lib, "PROBE", 2)
+  monkeypatch.setattr(choice_lib, "RECHECK", 4)
+  monkeypatch.setattr(choice_lib, "RECHECK_MAX", 4)
+
+
+def _data(steps, batch=8):
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(steps * batch, 5)).astype("float32")
+  y = rng.integers(0, 3, size=steps * batch)
+  return x, y
+
+
+def _fit(optimizer_fn, steps, callbacks=()):
+  """``model.fit`` on 2 replicas: ``(weights, optimizer, per-step record or None)``."""
+  strategy = tf.distribute.MirroredStrategy(DEVICES)
+  keras.utils.set_random_seed(3)
+  with strategy.scope():
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
+    optimizer = optimizer_fn()
+    model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  x, y = _data(steps)
+  record = _Steps(optimizer) if isinstance(optimizer, tf_adacomp.CompressedOptimizer) else None
+  model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+            callbacks=([record] if record else []) + list(callbacks))
+  return [w.numpy() for w in model.weights], optimizer, record
+
+
+class _Steps(keras.callbacks.Callback):
+  """Per step: the exchange it ran ("c"/"d"), its bytes and the residues after it."""
+
+  def __init__(self, optimizer):
+    super().__init__()
+    self.optimizer, self.modes, self.bytes, self.residues = optimizer, [], [], []
+
+  def on_train_batch_end(self, batch, logs=None):
+    self.modes.append(self.optimizer.exchange_choice()["exchange"][0])
+    self.bytes.append(int(self.optimizer.bytes_sent.numpy().sum()))
+    self.residues.append([x.numpy().copy() for r in self.optimizer.residues for x in r])
+
+
+def test_fit_runs_both_exchanges_and_a_dense_step_keeps_the_residues(short_probes):
+  del short_probes
+  _, _, steps = _fit(lambda: tf_adacomp.CompressedOptimizer(
+      keras.optimizers.SGD(0.05), compressor="adacomp",
+      dense_when_faster=True), steps=14)
+  assert steps.modes[:3] == list("ccc") and steps.modes[3:6] == list("ddd")  # the probes
+  dense_bytes = 4 * (5 * 3 + 3)
+  for k, mode in enumerate(steps.modes):
+    if mode == "d":
+      assert steps.bytes[k] == dense_bytes, (k, steps.modes, steps.bytes)
+      for before, after in zip(steps.residues[k - 1], steps.residues[k]):
+        np.testing.assert_array_equal(after, before)  # nothing held back
+    else:
+      assert 0 < steps.bytes[k] < dense_bytes, (k, steps.modes, steps.bytes)
+
+
+@pytest.mark.parametrize("exchange", ["updates", "gradients"])
+def test_with_nothing_compressed_it_trains_as_keras_whatever_it_chooses(short_probes,
+                                                                       exchange):
+  del short_probes
+  got, _, steps = _fit(lambda: tf_adacomp.CompressedOptimizer(
+      keras.optimizers.SGD(0.05, momentum=0.9), compressor="none", exchange=exchange,
+      dense_when_faster=True), steps=12)
+  assert "c" in steps.modes and "d" in steps.modes
+  want, _, _ = _fit(lambda: keras.optimizers.SGD(0.05, momentum=0.9), steps=12)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=2e-6)
+
+
+def test_compression_stats_logs_each_decision(short_probes, caplog):
+  del short_probes
+  with caplog.at_level(logging.INFO, logger="tf_adacomp"):
+    _, optimizer, steps = _fit(lambda: tf_adacomp.CompressedOptimizer(
+        keras.optimizers.SGD(0.05), dense_when_faster=True), steps=8,
+        callbacks=[tf_adacomp.CompressionStats()])
+  lines = [r.getMessage() for r in caplog.records if "dense_when_faster" in r.getMessage()]
+  assert lines, steps.modes
+  choice = optimizer.exchange_choice()
+  assert f"the {choice['exchange']} exchange" in lines[-1]
+  assert f"{1e3 * choice['dense_step_seconds']:.1f} ms dense" in lines[-1]
+
+
+# --- Arguments ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs,named", [
+    ({"dense_when_faster": 1}, "dense_when_faster=1"),
+    ({"dense_when_faster": True, "reduction": "adasum"}, "reduction='adasum'"),
+    ({"dense_when_faster": True, "start_step": 5}, "start_step=5"),
+    ({"dense_when_faster": True, "momentum_masking": True}, "momentum_masking=True"),
+])
+def test_refused_where_it_cannot_apply(kwargs, named):
+  with pytest.raises(ValueError, match="dense_when_faster") as error:
+    tf_adacomp.CompressedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), **kwargs)
+  assert named in str(error.value)
+
+
+def test_config_round_trip_and_nothing_to_report_without_it():
+  wrapper = tf_adacomp.CompressedOptimizer(keras.optimizers.SGD(0.1), dense_when_faster=True)
+  config = wrapper.get_config()
+  assert config["dense_when_faster"] is True
+  assert tf_adacomp.CompressedOptimizer.from_config(config).dense_when_faster is True
+  assert wrapper.exchange_choice() is None  # not built
+  plain = tf_adacomp.CompressedOptimizer(keras.optimizers.SGD(0.1))
+  plain.build([keras.Variable(np.zeros(3, np.float32))])
+  assert plain.exchange_choice() is None
+  assert not any("exchange_choice" in v.path for v in plain.variables)

@@ -1,0 +1,206 @@
+"""The measured choice between the compressed exchange and the dense float32 all-reduce
+(``CompressedOptimizer(dense_when_faster=True)``).
+
+Where links are fast, compressing costs more than it saves: on one host, or over 1
+Gbit/s with a small model, the compressed step is slower than Keras' dense step
+(docs/performance.md). Which one is faster depends on the model, the link and the
+devices, so the wrapper measures it on the cluster it runs on, in the training itself:
+
+1. **Probe compressed**: ``SETTLE + PROBE`` exchanges compressed. Each exchange takes the
+   time when its values are ready (``tf.timestamp``); the time from one exchange to the
+   next is a *period*: the exchange, the apply, the next step's compute and whatever
+   Keras does in between, all that a step costs. The first ``SETTLE`` periods of a
+   phase (XLA compilation, a collective's set-up) are not counted.
+2. **Probe dense**: the same with the dense all-reduce (the values summed in their own
+   dtype, one all-reduce per dtype; the residues are kept for later, so nothing is
+   lost). After its first period the probe stops early where dense is already more than
+   ``EARLY_FACTOR`` times the compressed median (a slow link: one dense step is all it
+   costs).
+3. **Decide**: the medians (robust to an evaluation or a checkpoint between two steps)
+   averaged over the replicas in one all-reduce, so that every replica decides the
+   same. The compressed exchange is kept only where its median is below
+   ``1 - MARGIN`` times dense's: near a tie the exact exchange wins.
+4. **Run** the choice for ``recheck`` exchanges (``RECHECK`` at first, doubled each time
+   the same choice wins again, up to ``RECHECK_MAX``), then probe again: costs drift
+   (another job on the link, a bigger batch late in training).
+
+The schedule counts exchanges (with local steps, a round's end), and every replica
+takes the same branches: the phase and the count are the same on all, and the one value
+that is not (the times) is averaged before anything depends on it.
+"""
+
+import tensorflow as tf
+
+from tf_adacomp import replica_steps
+from tf_adacomp.exchange import engine as engine_lib
+from tf_adacomp.exchange.wire import Exchanged
+
+SETTLE = 2  # periods of a phase not counted (compilation, a collective's set-up)
+PROBE = 8  # periods counted per probe
+EARLY_FACTOR = 4.0  # a first dense period this many times the compressed median ends it
+MARGIN = 0.02  # compressed must be this much faster than dense to be kept
+RECHECK = 200  # exchanges between probes, at first
+RECHECK_MAX = 3200
+
+# Phases (the variable ``phase``).
+PROBING_COMPRESSED, PROBING_DENSE, CHOSEN = 0, 1, 2
+# ``chosen``: what the last decision chose (NONE, the variables' zeros, before any).
+NONE, COMPRESSED, DENSE = 0, 1, 2
+
+
+class Choice:
+  """The state and the schedule of the measured choice, one per optimizer wrapper.
+
+  Args:
+    make: ``steps.variables.Maker`` of the wrapper (its variables, one value per
+      replica: the times are each replica's own, the schedule is equal on all).
+    reference: a variable of the wrapper's (the new ones are named after it and placed
+      beside it).
+  """
+
+  def __init__(self, make, reference):
+    def one(suffix, shape, dtype, aggregation):
+      return make.one(reference, tf.TensorSpec(shape, dtype), f"exchange_choice_{suffix}",
+                      aggregation=aggregation)
+
+    self.phase = one("phase", [], tf.int64, "only_first_replica")
+    self.count = one("count", [], tf.int64, "only_first_replica")
+    self.chosen = one("chosen", [], tf.int64, "only_first_replica")
+    self.recheck = one("recheck", [], tf.int64, "only_first_replica")
+    # Seconds: each probe's counted periods ([compressed, dense]) on this replica, the
+    # replicas' medians of the last decision ([compressed, dense]; 0: not measured),
+    # and when this replica's last exchange began (0: none yet).
+    self.periods = one("periods", [2, PROBE], tf.float64, "mean")
+    self.medians = one("medians", [2], tf.float64, "mean")
+    self.last_time = one("last_time", [], tf.float64, "mean")
+    self.variables = [self.phase, self.count, self.chosen, self.recheck, self.periods,
+                      self.medians, self.last_time]
+
+  def exchange(self, plans, values, states, compressed):
+    """This exchange, compressed (``compressed()``, an ``Exchanged``) or dense, as the
+    schedule says; the periods recorded and the schedule moved on.
+
+    Args:
+      plans, values, states: the exchange's (``steps.guard.Guard.exchange``).
+      compressed: a function of ``(values, states)``: the compressed exchange.
+
+    Returns:
+      An ``Exchanged``: the dense one sums the values exactly, keeps the states as they
+      were (nothing was held back) and counts 4 bytes per element of float32 (the
+      values' own width otherwise).
+    """
+    present = [k for k, v in enumerate(values) if v is not None]
+    dense_values = [tf.convert_to_tensor(values[k]) for k in present]
+    with tf.control_dependencies(dense_values):  # when this step's values are ready
+      now = tf.timestamp()
+    use_dense = self._schedule(now)
+
+    # Each replica's values and states go through the arguments (cond_on_every_replica).
+    def run_compressed(own):
+      own_values, own_states = own
+      full_values, full_states = [None] * len(values), list(states)
+      for j, k in enumerate(present):
+        full_values[k], full_states[k] = own_values[j], own_states[j]
+      exchanged = compressed(full_values, full_states)
+      return ([exchanged.sums[k] for k in present], [tuple(exchanged.states[k]) for k in present],
+              [tf.cast(exchanged.nbytes[k], tf.int64) for k in present])
+
+    def run_dense(own):
+      own_values, own_states = own
+      ctx = tf.distribute.get_replica_context()
+      sums = engine_lib._all_reduce_joined(ctx, list(own_values))  # pylint: disable=protected-access
+      nbytes = [tf.constant(v.shape.num_elements() * v.dtype.size, tf.int64)
+                for v in own_values]
+      return sums, [tuple(tf.identity(s) for s in state) for state in own_states], nbytes
+
+    sums, new_states, nbytes = replica_steps.cond_on_every_replica(
+        use_dense, run_dense, run_compressed,
+        (dense_values, [tuple(states[k]) for k in present]))
+    full_sums, full_states, full_nbytes = [None] * len(values), list(states), [None] * len(values)
+    for j, k in enumerate(present):
+      full_sums[k], full_states[k], full_nbytes[k] = sums[j], tuple(new_states[j]), nbytes[j]
+    return Exchanged(full_sums, full_states, full_nbytes)
+
+  def _schedule(self, now):
+    """Records the period that ends at ``now``, moves the schedule one exchange on and
+    returns whether this exchange is dense (a bool, equal on every replica)."""
+    phase, count = tf.convert_to_tensor(self.phase), tf.convert_to_tensor(self.count)
+    chosen, recheck = tf.convert_to_tensor(self.chosen), tf.convert_to_tensor(self.recheck)
+    last = tf.convert_to_tensor(self.last_time)
+    period = now - last
+    # The period ending now is the previous exchange's, of this phase when count >= 1.
+    slot = count - 1 - SETTLE
+    probing = tf.less(phase, CHOSEN)
+    counted = probing & (slot >= 0) & (slot < PROBE) & (last > 0.0)
+    index = tf.stack([tf.minimum(phase, 1), tf.clip_by_value(slot, 0, PROBE - 1)])
+    periods = tf.convert_to_tensor(self.periods)
+    periods = tf.where(counted, tf.tensor_scatter_nd_update(periods, [index], [period]),
+                       periods)
+    compressed_median = _median(periods[0])
+    early = tf.equal(phase, PROBING_DENSE) & tf.equal(count, 1) & (last > 0.0)
+    full = tf.equal(phase, PROBING_DENSE) & tf.equal(count, SETTLE + PROBE)
+    # The replicas' mean of [the compressed median, dense's first period or median].
+    dense_time = tf.where(full, _median(periods[1]), period)
+    measured = replica_steps.cond_on_every_replica(
+        early | full, _mean_over_replicas, lambda own: tf.zeros([2], tf.float64),
+        tf.stack([compressed_median, dense_time]))
+    compressed_wins = measured[0] < (1.0 - MARGIN) * measured[1]
+    decided = full | (early & (measured[1] > EARLY_FACTOR * measured[0]))
+    new_choice = tf.where(compressed_wins, tf.constant(COMPRESSED, tf.int64),
+                          tf.constant(DENSE, tf.int64))
+    # The same choice again: the next probe comes twice as late (the probe of the
+    # slower exchange costs, and nothing changed).
+    new_recheck = tf.where(tf.equal(new_choice, chosen),
+                           tf.clip_by_value(2 * recheck, RECHECK, RECHECK_MAX),
+                           tf.constant(RECHECK, tf.int64))
+    to_dense_probe = tf.equal(phase, PROBING_COMPRESSED) & tf.equal(count, SETTLE + PROBE)
+    to_probe = tf.equal(phase, CHOSEN) & (count >= recheck)
+    new_phase = tf.where(to_dense_probe, tf.constant(PROBING_DENSE, tf.int64),
+                         tf.where(decided, tf.constant(CHOSEN, tf.int64),
+                                  tf.where(to_probe, tf.constant(PROBING_COMPRESSED, tf.int64),
+                                           phase)))
+    moved = to_dense_probe | decided | to_probe
+    chosen = tf.where(decided, new_choice, chosen)
+    updates = [
+        self.periods.assign(periods),
+        self.phase.assign(new_phase),
+        self.count.assign(tf.where(moved, tf.constant(1, tf.int64), count + 1)),
+        self.chosen.assign(chosen),
+        self.recheck.assign(tf.where(decided, new_recheck, recheck)),
+        self.medians.assign(tf.where(decided, measured, tf.convert_to_tensor(self.medians))),
+        self.last_time.assign(now),
+    ]
+    with tf.control_dependencies(updates):
+      return tf.identity(tf.equal(new_phase, PROBING_DENSE)
+                         | (tf.equal(new_phase, CHOSEN) & tf.equal(chosen, DENSE)))
+
+
+def _median(values):
+  """The upper median of a vector (robust to a period with an evaluation in it)."""
+  return tf.sort(values)[int(values.shape[0]) // 2]
+
+
+def _mean_over_replicas(value):
+  ctx = tf.distribute.get_replica_context()
+  total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(value, tf.float32))
+  return tf.cast(total, tf.float64) / ctx.num_replicas_in_sync
+
+
+def describe(choice):
+  """What ``choice`` is doing, as Python values (``CompressedOptimizer.exchange_choice``).
+
+  Returns:
+    ``{"exchange": "dense" | "compressed", "phase": "probing compressed" | "probing
+    dense" | "chosen", "compressed_step_seconds": ..., "dense_step_seconds": ...}``: the
+    last exchange's kind and phase, and the replicas' median step times at the last
+    decision (None before one; dense's is its first period where the probe stopped
+    there, that much slower).
+  """
+  phase, chosen = int(choice.phase.numpy()), int(choice.chosen.numpy())
+  medians = [float(m) for m in choice.medians.numpy()]
+  dense = phase == PROBING_DENSE or (phase == CHOSEN and chosen == DENSE)
+  return {"exchange": "dense" if dense else "compressed",
+          "phase": {PROBING_COMPRESSED: "probing compressed", PROBING_DENSE: "probing dense",
+                    CHOSEN: "chosen"}[phase],
+          "compressed_step_seconds": medians[0] or None,
+          "dense_step_seconds": medians[1] or None}
