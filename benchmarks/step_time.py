@@ -11,6 +11,12 @@ the whole sweep, interleaved, and takes the median ratio).
 
     python benchmarks/step_time.py                      # CNN, N = 2 and 4
     python benchmarks/step_time.py --model resnet20 --replicas 4 --steps 20
+    python benchmarks/step_time.py --compressors adacomp,adacomp+auto --steps 120
+
+A compressor with ``+auto`` runs with ``dense_when_faster=True`` (CompressedOptimizer
+measures its compressed exchange against the dense all-reduce during the run, 20
+exchanges of probes, and uses the faster): give it enough --steps that the median is a
+step of its choice.
 
 Target: AdaComp costs at most 1.3x the dense step. Writes out/step_time.json.
 """
@@ -42,8 +48,9 @@ def time_one(model, compressor, replicas, args):
 
   name, options = MODELS[model]
   example = importlib.import_module(f"tf_adacomp.examples.{name}")
+  base, auto = split_auto(compressor)
   config = flags_and_config.make_config(
-      example, compressor=compressor, replicas=replicas, epochs=1,
+      example, compressor=base, dense_when_faster=auto, replicas=replicas, epochs=1,
       steps_per_epoch=args.skip + args.steps, eval_steps=1, batch_size=args.batch_size,
       learning_rate=args.learning_rate, lr_schedule="constant", verbose=0,
       synthetic=args.synthetic or None, **options)
@@ -54,6 +61,19 @@ def time_one(model, compressor, replicas, args):
           "bytes_sent_per_step": summary["bytes_sent_per_step"],
           "compression_ratio": summary["compression_ratio"],
           "parameters": summary["parameters"], "synthetic": summary["synthetic"]}
+
+
+def split_auto(compressor):
+  """``"adacomp+auto"`` -> ``("adacomp", True)``; ``"adacomp"`` -> ``("adacomp", False)``.
+
+  Raises:
+    ValueError: another suffix, naming the compressor.
+  """
+  base, plus, suffix = compressor.partition("+")
+  if plus and suffix != "auto":
+    raise ValueError(f"A compressor's one suffix is +auto (dense_when_faster=True). "
+                     f"Received: compressor={compressor!r}")
+  return base, bool(plus)
 
 
 def run_one(model, compressor, replicas, args):
@@ -97,6 +117,11 @@ def main(argv=None):
 
   replica_counts = [int(n) for n in args.replicas.split(",")]
   compressors = ["none"] + [c for c in args.compressors.split(",") if c != "none"]
+  for compressor in compressors:
+    try:
+      split_auto(compressor)
+    except ValueError as error:
+      parser.error(str(error))
   runs = []
   for round_index in range(args.rounds):
     for replicas in replica_counts:

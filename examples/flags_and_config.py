@@ -72,6 +72,9 @@ flags.DEFINE_enum("outer_optimizer", None, OUTER_OPTIMIZERS,
                   "With --exchange=optimizer: how a round's exchanged pseudo-update moves "
                   "the weights: average (apply the mean) or nesterov (DiLoCo's Nesterov "
                   "SGD, learning rate 0.7, momentum 0.9). Default: the library's.")
+flags.DEFINE_boolean("dense_when_faster", None, "With --exchange=optimizer: measure the "
+                     "compressed exchange against the dense all-reduce during training "
+                     "and use the faster (CompressedOptimizer's dense_when_faster).")
 flags.DEFINE_float("local_clipnorm", None, "With --exchange=optimizer: clip each "
                    "replica's own mean gradient to this global norm before compression.")
 flags.DEFINE_integer("conv_bin_size", None, "AdaComp bin length L_T of conv kernels (50).")
@@ -135,6 +138,7 @@ class Config:
   # CompressedOptimizer's local_steps (ResIST's example has a local_steps of its own).
   optimizer_local_steps: Optional[int] = None  # None: CompressedOptimizer's default (1)
   outer_optimizer: Optional[str] = None  # None: CompressedOptimizer's default
+  dense_when_faster: bool = False
   conv_bin_size: int = 50
   dense_bin_size: int = 500
   recurrent_bin_size: int = 500
@@ -231,6 +235,9 @@ def validate(config: Config):
                                          and math.isfinite(config.local_clipnorm)),
        "local_clipnorm", "a finite number > 0 or unset")
   need(config.momentum_masking in (True, False), "momentum_masking", "True or False")
+  need(config.dense_when_faster in (True, False), "dense_when_faster", "True or False")
+  need(not config.dense_when_faster or config.exchange == "optimizer", "dense_when_faster",
+       "False with --exchange=cross_device_ops (a CompressedOptimizer option)")
   if config.momentum_masking:
     exchange = config.optimizer_exchange or (
         "updates" if config.adasum_mode == "delta"

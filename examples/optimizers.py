@@ -54,7 +54,8 @@ def make_optimizer(config, steps_per_epoch: int):
   plain = (config.compressor == "none" and config.reduction == "sum"
            and config.optimizer_exchange in (None, "gradients")
            and config.local_clipnorm is None and config.second_moment is None
-           and config.optimizer_local_steps is None and config.outer_optimizer is None)
+           and config.optimizer_local_steps is None and config.outer_optimizer is None
+           and not config.dense_when_faster)
   if plain or config.exchange == "cross_device_ops":
     return inner
   return tf_adacomp.CompressedOptimizer(
@@ -66,7 +67,8 @@ def make_optimizer(config, steps_per_epoch: int):
       exchange=config.optimizer_exchange, momentum_masking=config.momentum_masking,
       local_clipnorm=config.local_clipnorm, second_moment=config.second_moment,
       local_steps=config.optimizer_local_steps or 1,
-      outer_optimizer=_outer_optimizer(config))
+      outer_optimizer=_outer_optimizer(config),
+      dense_when_faster=config.dense_when_faster)
 
 
 def _outer_optimizer(config):

@@ -137,9 +137,11 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
     dense_when_faster: bool, default False. True: the wrapper measures, in the training
       itself, a step with the compressed exchange against a step with the dense
       float32 all-reduce, every replica agreeing, and exchanges with the faster
-      (``steps.choice``: probes of 10 exchanges each, the medians of their step times;
-      probed again after 200 exchanges, and twice as late each time the same choice
-      wins, up to 3,200). A dense step sums the values exactly and keeps the residues for
+      (``steps.choice``: probes of 10 exchanges each, the medians of their step times,
+      the dense probe ended after 1 or 2 exchanges where dense is clearly slower;
+      probed again after 200 exchanges, twice as late each time the same choice wins,
+      and late enough that a probe's slower steps cost at most 2% of the time between
+      probes; at most 10,000). A dense step sums the values exactly and keeps the residues for
       later. ``exchange_choice()`` says what it chose and why. Needs reduction="sum",
       no ``start_step`` and no ``momentum_masking``.
 
@@ -297,8 +299,8 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
       first, "compressed", the first probe's), ``"phase"`` ("probing compressed",
       "probing dense" or "chosen"), and the replicas' median
       step times in seconds at the last decision, ``"compressed_step_seconds"`` and
-      ``"dense_step_seconds"`` (None before the first; dense's is its one step where
-      that was already more than 4 times the compressed median).
+      ``"dense_step_seconds"`` (None before the first; where dense's probe stopped
+      early, its last period: ``steps.choice``).
     """
     if not self.built or self._choice is None:
       return None

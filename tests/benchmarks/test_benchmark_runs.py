@@ -110,6 +110,7 @@ def test_network_runs_workers_across_limited_namespaces_and_cleans_up(tmp_path):
     ("compression_ratio.py", ["--steps=0"], "steps=0"),
     ("compression_ratio.py", ["--compressors=topk"], "compressors='topk'"),
     ("step_time.py", ["--steps=0"], "steps=0"),
+    ("step_time.py", ["--compressors=adacomp+fast"], "compressor='adacomp+fast'"),
     ("network.py", ["--compressors=topk,adacomp"], "compressors='topk,adacomp'"),
     ("network.py", ["--rates=fast"], "rate='fast'"),
     ("network.py", ["--workers=1"], "workers=1"),

@@ -1,6 +1,5 @@
 """The examples' --optimizer_exchange, --momentum_masking, --local_clipnorm,
---optimizer_local_steps and
---outer_optimizer flags."""
+--optimizer_local_steps, --outer_optimizer and --dense_when_faster flags."""
 
 import pytest
 
@@ -41,6 +40,16 @@ def test_the_local_steps_flags_reach_the_optimizer():
   assert (optimizer.local_steps, optimizer.outer_optimizer) == (4, "average")
 
 
+def test_dense_when_faster_reaches_the_optimizer_even_without_compression():
+  config = flags_and_config.make_config(fashion_mnist, dense_when_faster=True)
+  assert optimizers.make_optimizer(config, 10).dense_when_faster is True
+  config = flags_and_config.make_config(fashion_mnist, compressor="none",
+                                        dense_when_faster=True)
+  assert optimizers.make_optimizer(config, 10).dense_when_faster is True
+  config = flags_and_config.make_config(fashion_mnist)
+  assert optimizers.make_optimizer(config, 10).dense_when_faster is False
+
+
 @pytest.mark.parametrize("overrides,match", [
     ({"optimizer_local_steps": 0}, "optimizer_local_steps=0"),
     ({"outer_optimizer": "adam"}, "outer_optimizer='adam'"),
@@ -54,6 +63,8 @@ def test_the_local_steps_flags_reach_the_optimizer():
     ({"momentum_masking": True, "reduction": "adasum"}, "momentum_masking=True"),
     ({"local_clipnorm": -1.0}, "local_clipnorm=-1.0"),
     ({"local_clipnorm": 1.0, "exchange": "cross_device_ops"}, "local_clipnorm=1.0"),
+    ({"dense_when_faster": True, "exchange": "cross_device_ops"}, "dense_when_faster=True"),
+    ({"dense_when_faster": "yes"}, "dense_when_faster='yes'"),
 ])
 def test_bad_settings_are_named_with_the_value(overrides, match):
   with pytest.raises(ValueError, match=match):

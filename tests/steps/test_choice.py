@@ -58,8 +58,9 @@ def test_dense_is_chosen_where_it_is_faster():
 def test_compressed_is_kept_where_it_is_faster_and_probed_again_later_and_later():
   choice = _choice()
   first = 2 * PHASE + choice_lib.RECHECK
+  # Dense 1.1x: the whole probe runs, and costs little (10 exchanges 10% slower).
   modes = _drive(choice, first + 2 * PHASE + 2 * choice_lib.RECHECK + 1,
-                 compressed_s=0.010, dense_s=0.025)
+                 compressed_s=0.010, dense_s=0.011)
   # Probes, the choice for RECHECK exchanges, probes again (the same answer), then the
   # choice for twice as long.
   assert modes == ("c" * PHASE + "d" * PHASE + "c" * choice_lib.RECHECK
@@ -68,12 +69,16 @@ def test_compressed_is_kept_where_it_is_faster_and_probed_again_later_and_later(
   assert choice_lib.describe(choice)["exchange"] == "compressed"
 
 
-def test_a_much_slower_dense_probe_ends_after_one_step():
+@pytest.mark.parametrize("dense_s,dense_steps", [(1.0, 1), (0.041, 1), (0.039, 2),
+                                                (0.021, 2), (0.019, PHASE)])
+def test_a_much_slower_dense_probe_ends_after_one_or_two_steps(dense_s, dense_steps):
+  # Compressed 10 ms: dense above 4x (40 ms) ends after its first period, above 2x
+  # after its second; closer than that, the whole probe.
   choice = _choice()
-  modes = _drive(choice, PHASE + 5, compressed_s=0.010, dense_s=1.0)
-  assert modes == "c" * PHASE + "d" + "c" * 4
+  modes = _drive(choice, PHASE + dense_steps + 5, compressed_s=0.010, dense_s=dense_s)
+  assert modes == "c" * PHASE + "d" * dense_steps + "c" * 5
   described = choice_lib.describe(choice)
-  assert described["dense_step_seconds"] == pytest.approx(1.0)  # its one period
+  assert described["dense_step_seconds"] == pytest.approx(dense_s)  # its last period
 
 
 def test_near_a_tie_dense_wins_and_outliers_do_not_decide():
@@ -94,11 +99,25 @@ def test_the_choice_changes_when_the_costs_do():
   # The dense probe ends after one exchange; the choice runs from the next one on.
   switch = PHASE + 1 + choice_lib.RECHECK
   # Compressed is faster until the link gets fast (dense cheap) at the re-probe.
-  dense = lambda k: 0.050 if k < switch else 0.005  # noqa: E731
+  # (4.5x at first: the dense probe ends after one step, whose 3.5 extra compressed
+  # steps are less than 2% of RECHECK.)
+  dense = lambda k: 0.045 if k < switch else 0.005  # noqa: E731
   modes = _drive(choice, switch + 2 * PHASE + 3, compressed_s=0.010, dense_s=dense)
   assert modes[:switch] == "c" * PHASE + "d" + "c" * choice_lib.RECHECK
   assert modes[switch:] == "c" * PHASE + "d" * PHASE + "ddd"
-  assert int(choice.recheck.numpy()) == choice_lib.RECHECK  # a new choice: not doubled
+  # A new choice: not doubled, but its probe's 10 compressed exchanges took twice the
+  # dense one's time each: 10 extra dense steps, 2% of 500.
+  assert abs(int(choice.recheck.numpy()) - 500) <= 1  # (float rounding of the periods)
+
+
+def test_a_costly_probe_comes_back_rarely():
+  # A slow link (a dense step 64 times a compressed one; the wide MLP over 10 Mbit/s is
+  # near 60): one dense step, worth 63 compressed ones of extra time, then 3,150
+  # exchanges, so that the next probe costs 2% of the time until it.
+  choice = _choice()
+  _drive(choice, PHASE + 2, compressed_s=0.25, dense_s=16.0)
+  assert abs(int(choice.recheck.numpy()) - 3150) <= 1
+  assert choice_lib.describe(choice)["exchange"] == "compressed"
 
 
 # --- In model.fit, on 2 replicas ---------------------------------------------------------

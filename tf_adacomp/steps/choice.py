@@ -13,15 +13,19 @@ devices, so the wrapper measures it on the cluster it runs on, in the training i
    phase (XLA compilation, a collective's set-up) are not counted.
 2. **Probe dense**: the same with the dense all-reduce (the values summed in their own
    dtype, one all-reduce per dtype; the residues are kept for later, so nothing is
-   lost). After its first period the probe stops early where dense is already more than
-   ``EARLY_FACTOR`` times the compressed median (a slow link: one dense step is all it
-   costs).
+   lost). The probe stops early where dense already loses clearly: its first period
+   more than ``EARLY_FACTORS[1]`` times the compressed median (a slow link: one dense
+   step is all it costs), or its second, past the one-off costs of the first, more than
+   ``EARLY_FACTORS[2]`` times.
 3. **Decide**: the medians (robust to an evaluation or a checkpoint between two steps)
    averaged over the replicas in one all-reduce, so that every replica decides the
    same. The compressed exchange is kept only where its median is below
    ``1 - MARGIN`` times dense's: near a tie the exact exchange wins.
 4. **Run** the choice for ``recheck`` exchanges (``RECHECK`` at first, doubled each time
-   the same choice wins again, up to ``RECHECK_MAX``), then probe again: costs drift
+   the same choice wins again, up to ``RECHECK_MAX``; and long enough that the next
+   probe's steps of the slower exchange cost at most ``PROBE_SHARE`` of the time until
+   then: on a slow link one dense step is worth many compressed ones), then probe
+   again: costs drift
    (another job on the link, a bigger batch late in training).
 
 The schedule counts exchanges (with local steps, a round's end), and every replica
@@ -37,10 +41,13 @@ from tf_adacomp.exchange.wire import Exchanged
 
 SETTLE = 2  # periods of a phase not counted (compilation, a collective's set-up)
 PROBE = 8  # periods counted per probe
-EARLY_FACTOR = 4.0  # a first dense period this many times the compressed median ends it
+# Dense's first and second periods, this many times the compressed median, end its probe
+# (the first carries one-off costs: the dense branch's first run, a collective's set-up).
+EARLY_FACTORS = {1: 4.0, 2: 2.0}
 MARGIN = 0.02  # compressed must be this much faster than dense to be kept
 RECHECK = 200  # exchanges between probes, at first
-RECHECK_MAX = 3200
+RECHECK_MAX = 10_000
+PROBE_SHARE = 0.02  # the most a probe's extra time may be of the time between probes
 
 # Phases (the variable ``phase``).
 PROBING_COMPRESSED, PROBING_DENSE, CHOSEN = 0, 1, 2
@@ -90,7 +97,8 @@ class Choice:
       values' own width otherwise).
     """
     present = [k for k, v in enumerate(values) if v is not None]
-    dense_values = [tf.convert_to_tensor(values[k]) for k in present]
+    # Dense, with the plan's static shape (an Embedding's IndexedSlices summed into rows).
+    dense_values = [engine_lib._densified(values[k], plans[k]) for k in present]  # pylint: disable=protected-access
     with tf.control_dependencies(dense_values):  # when this step's values are ready
       now = tf.timestamp()
     use_dense = self._schedule(now)
@@ -137,15 +145,18 @@ class Choice:
     periods = tf.where(counted, tf.tensor_scatter_nd_update(periods, [index], [period]),
                        periods)
     compressed_median = _median(periods[0])
-    early = tf.equal(phase, PROBING_DENSE) & tf.equal(count, 1) & (last > 0.0)
+    dense_probe = tf.equal(phase, PROBING_DENSE) & (last > 0.0)
+    early = {k: dense_probe & tf.equal(count, k) for k in EARLY_FACTORS}
     full = tf.equal(phase, PROBING_DENSE) & tf.equal(count, SETTLE + PROBE)
     # The replicas' mean of [the compressed median, dense's first period or median].
     dense_time = tf.where(full, _median(periods[1]), period)
     measured = replica_steps.cond_on_every_replica(
-        early | full, _mean_over_replicas, lambda own: tf.zeros([2], tf.float64),
-        tf.stack([compressed_median, dense_time]))
+        tf.reduce_any(tf.stack([full, *early.values()])), _mean_over_replicas,
+        lambda own: tf.zeros([2], tf.float64), tf.stack([compressed_median, dense_time]))
     compressed_wins = measured[0] < (1.0 - MARGIN) * measured[1]
-    decided = full | (early & (measured[1] > EARLY_FACTOR * measured[0]))
+    decided = full
+    for k, factor in EARLY_FACTORS.items():
+      decided = decided | (early[k] & (measured[1] > factor * measured[0]))
     new_choice = tf.where(compressed_wins, tf.constant(COMPRESSED, tf.int64),
                           tf.constant(DENSE, tf.int64))
     # The same choice again: the next probe comes twice as late (the probe of the
@@ -153,6 +164,15 @@ class Choice:
     new_recheck = tf.where(tf.equal(new_choice, chosen),
                            tf.clip_by_value(2 * recheck, RECHECK, RECHECK_MAX),
                            tf.constant(RECHECK, tf.int64))
+    # The probe's extra time, its slower exchanges times what each cost over the faster
+    # one, at most PROBE_SHARE of the time until the next probe.
+    slower = tf.where(full, tf.constant(float(SETTLE + PROBE), tf.float64),
+                      tf.cast(count, tf.float64))
+    faster = tf.maximum(tf.reduce_min(measured), 1e-9)
+    extra = slower * (tf.reduce_max(measured) / faster - 1.0)
+    new_recheck = tf.minimum(
+        tf.maximum(new_recheck, tf.cast(tf.math.ceil(extra / PROBE_SHARE), tf.int64)),
+        RECHECK_MAX)
     to_dense_probe = tf.equal(phase, PROBING_COMPRESSED) & tf.equal(count, SETTLE + PROBE)
     to_probe = tf.equal(phase, CHOSEN) & (count >= recheck)
     new_phase = tf.where(to_dense_probe, tf.constant(PROBING_DENSE, tf.int64),
@@ -193,8 +213,8 @@ def describe(choice):
     ``{"exchange": "dense" | "compressed", "phase": "probing compressed" | "probing
     dense" | "chosen", "compressed_step_seconds": ..., "dense_step_seconds": ...}``: the
     last exchange's kind and phase, and the replicas' median step times at the last
-    decision (None before one; dense's is its first period where the probe stopped
-    there, that much slower).
+    decision (None before one; dense's is its last period where the probe stopped
+    early).
   """
   phase, chosen = int(choice.phase.numpy()), int(choice.chosen.numpy())
   medians = [float(m) for m in choice.medians.numpy()]
