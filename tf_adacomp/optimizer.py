@@ -141,9 +141,9 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
       the dense probe ended after 1 or 2 exchanges where dense is clearly slower;
       probed again after 200 exchanges, twice as late each time the same choice wins,
       and late enough that a probe's slower steps cost at most 2% of the time between
-      probes; at most 10,000). A dense step sums the values exactly and keeps the residues for
-      later. ``exchange_choice()`` says what it chose and why. Needs reduction="sum",
-      no ``start_step`` and no ``momentum_masking``.
+      probes; at most 10,000). A dense step sums the values exactly and keeps the
+      residues for later. ``exchange_choice()`` says what it chose and why. Needs
+      reduction="sum", no ``start_step`` and no ``momentum_masking``.
 
   Raises:
     TypeError: ``inner_optimizer`` is not a Keras optimizer; an unknown keyword argument
@@ -297,10 +297,10 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
       None without ``dense_when_faster`` or before ``build``; else a dict:
       ``"exchange"`` ("dense" or "compressed": what the last exchange was; before the
       first, "compressed", the first probe's), ``"phase"`` ("probing compressed",
-      "probing dense" or "chosen"), and the replicas' median
-      step times in seconds at the last decision, ``"compressed_step_seconds"`` and
-      ``"dense_step_seconds"`` (None before the first; where dense's probe stopped
-      early, its last period: ``steps.choice``).
+      "probing dense" or "chosen"), and the replicas' median step times in seconds at
+      the last decision, ``"compressed_step_seconds"`` and ``"dense_step_seconds"``
+      (None before the first; where dense's probe stopped early, its last period:
+      ``steps.choice``).
     """
     if not self.built or self._choice is None:
       return None

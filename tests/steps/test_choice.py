@@ -120,6 +120,14 @@ def test_a_costly_probe_comes_back_rarely():
   assert choice_lib.describe(choice)["exchange"] == "compressed"
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_the_median_is_numpys_upper_median(seed):
+  rng = np.random.default_rng(seed)
+  values = rng.choice([0.5, 1.0, 2.0, 3.0], size=8) if seed % 2 else rng.exponential(size=8)
+  got = float(choice_lib._median(tf.constant(values, tf.float64)))  # pylint: disable=protected-access
+  assert got == np.sort(values)[len(values) // 2]
+
+
 # --- In model.fit, on 2 replicas ---------------------------------------------------------
 
 
