@@ -25,8 +25,7 @@ devices, so the wrapper measures it on the cluster it runs on, in the training i
    the same choice wins again, up to ``RECHECK_MAX``; and long enough that the next
    probe's steps of the slower exchange cost at most ``PROBE_SHARE`` of the time until
    then: on a slow link one dense step is worth many compressed ones), then probe
-   again: costs drift
-   (another job on the link, a bigger batch late in training).
+   again: costs drift (another job on the link, a bigger batch late in training).
 
 The schedule counts exchanges (with local steps, a round's end), and every replica
 takes the same branches: the phase and the count are the same on all, and the one value
@@ -84,8 +83,8 @@ class Choice:
                       self.medians, self.last_time]
 
   def exchange(self, plans, values, states, compressed):
-    """This exchange, compressed (``compressed()``, an ``Exchanged``) or dense, as the
-    schedule says; the periods recorded and the schedule moved on.
+    """This exchange, compressed (``compressed(values, states)``, an ``Exchanged``) or
+    dense, as the schedule says; the periods recorded and the schedule moved on.
 
     Args:
       plans, values, states: the exchange's (``steps.guard.Guard.exchange``).
