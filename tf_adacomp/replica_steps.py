@@ -5,31 +5,20 @@ import tensorflow as tf
 
 
 def on_every_replica_if(flag, fn, values):
-  """Calls ``fn(values)`` in every replica if ``flag`` (the same on every replica).
-
-  ``fn`` may call an inner optimizer, whose updates need a merge_call under
-  MirroredStrategy: a cond around a merge_call must be taken in cross-replica context
-  (as Keras' own LossScaleOptimizer does).
+  """Calls ``fn(values)`` in every replica if ``flag`` (the same on every replica):
+  ``cond_on_every_replica`` with nothing returned. ``fn`` may call an inner optimizer,
+  whose updates need a merge_call under MirroredStrategy.
 
   Args:
     flag: a boolean scalar tensor, equal on every replica.
     fn: a function of ``values``, called in a replica context.
     values: what ``fn`` is given (per replica).
   """
-  if tf.__internal__.distribute.strategy_supports_no_merge_call():
-    tf.cond(flag, lambda: fn(values), lambda: tf.constant(False))
-    return
+  def run(own):
+    fn(own)
+    return tf.constant(True)
 
-  def in_cross_replica(distribution, values, flag):
-    flag = distribution.experimental_local_results(flag)[0]
-
-    def everywhere():
-      distribution.extended.call_for_each_replica(fn, args=(values,))
-      return tf.constant(True)
-
-    tf.cond(flag, everywhere, lambda: tf.constant(False))
-
-  tf.distribute.get_replica_context().merge_call(in_cross_replica, args=(values, flag))
+  cond_on_every_replica(flag, run, lambda own: tf.constant(False), values)
 
 
 def cond_on_every_replica(flag, true_fn, false_fn, values):
@@ -37,12 +26,13 @@ def cond_on_every_replica(flag, true_fn, false_fn, values):
   replica's own result (the branches may run collectives; ``flag`` is the same on every
   replica).
 
-  As ``on_every_replica_if``: where the strategy needs a merge_call for a collective
-  (MirroredStrategy on CPUs), the cond is taken in cross-replica context, and each
-  replica receives its own part of the branch's results. Each replica's own tensors
-  must reach the branches through ``values``: under MirroredStrategy the branches run
-  for every replica from one thread, and a tensor a branch closed over would be the
-  first replica's on every replica.
+  Where the strategy needs a merge_call for a collective (MirroredStrategy on CPUs; an
+  inner optimizer's updates need one too), the cond is taken in cross-replica context
+  (as Keras' own LossScaleOptimizer does), and each replica receives its own part of the
+  branch's results. Each replica's own tensors must reach the branches through
+  ``values``: under MirroredStrategy the branches run for every replica from one
+  thread, and a tensor a branch closed over would be the first replica's on every
+  replica.
 
   Args:
     flag: a boolean scalar tensor, equal on every replica.
