@@ -35,6 +35,7 @@ that is not (the times) is averaged before anything depends on it.
 import tensorflow as tf
 
 from tf_adacomp import replica_steps
+from tf_adacomp.compressors import base
 from tf_adacomp.exchange import engine as engine_lib
 from tf_adacomp.exchange.wire import Exchanged
 
@@ -116,8 +117,7 @@ class Choice:
       own_values, own_states = own
       ctx = tf.distribute.get_replica_context()
       sums = engine_lib._all_reduce_joined(ctx, list(own_values))  # pylint: disable=protected-access
-      nbytes = [tf.constant(v.shape.num_elements() * v.dtype.size, tf.int64)
-                for v in own_values]
+      nbytes = [base.dense_nbytes(v)[0] for v in own_values]
       return sums, [tuple(tf.identity(s) for s in state) for state in own_states], nbytes
 
     sums, new_states, nbytes = replica_steps.cond_on_every_replica(
