@@ -111,3 +111,35 @@ def test_exported_programs_run_under_jax_with_tensorflows_outputs(tmp_path):
   assert all(t["identical"] and t["outputs_differing"] == [] for _, t in checked), checked
   assert {(r["model"], r["form"]) for r in result["step_rows"]} == {("cnn", "cpu"),
                                                                     ("cnn", "gpu")}
+
+
+def test_the_trace_summary_counts_gpu_kernels_per_run(tmp_path):
+  import gzip  # pylint: disable=g-import-not-at-top
+
+  import gpu_trace  # pylint: disable=g-import-not-at-top
+  meta = [dict(ph="M", pid=1, name="process_name", args=dict(name="/host:CPU")),
+          dict(ph="M", pid=2, name="process_name", args=dict(name="/device:GPU:0"))]
+
+  def kernel(pid, op, dur, name=None, run=0):
+    return dict(ph="X", pid=pid, name=name or op, dur=dur,
+                args=dict(hlo_module="m.1", hlo_op=op, run_id=str(run)))
+
+  # Two runs of module m.1: op a launches one kernel per run, op b two; one copy per
+  # run; the host's events of the same module are not device time.
+  events = meta + [kernel(2, "a", 10.0), kernel(2, "b", 3.0), kernel(2, "b", 5.0),
+                   kernel(2, "a", 30.0, run=1), kernel(2, "b", 1.0, run=1),
+                   kernel(2, "b", 1.0, run=1), kernel(2, "x", 4.0, name="MemcpyD2H"),
+                   kernel(2, "x", 4.0, name="MemcpyD2H", run=1), kernel(1, "a", 1000.0)]
+  (tmp_path / "t" / "run").mkdir(parents=True)
+  with gzip.open(tmp_path / "t" / "run" / "h.trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  (tmp_path / "kernel-compress-1.optimised.hlo.txt").write_text("HloModule m.1, x=y\n")
+  summary = gpu_trace.summarise(gpu_trace.load_events(str(tmp_path / "t")), top=1,
+                                names=gpu_trace.program_names(str(tmp_path)))
+  (name, s), = summary.items()
+  assert name == "kernel-compress-1"
+  assert s["runs"] == 2 and s["copies_per_run"] == 1.0
+  assert s["device_us_per_run"] == pytest.approx(25.0)  # (40 + 10) / 2
+  assert s["ops"] == [["a", 20.0, 1.0]]
+  with pytest.raises(FileNotFoundError, match="directory"):
+    gpu_trace.load_events(str(tmp_path / "t" / "none"))
