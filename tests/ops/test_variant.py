@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tf_adacomp
+from tf_adacomp.ops import adacomp_core
 from tf_adacomp.ops import compiled
 from tf_adacomp.ops import variant
 
@@ -99,6 +100,25 @@ def test_only_the_cpu_form_has_control_flow():
     decode = _hlo(form, lambda p: compressor.decompress(p[None], plans), payload)
     assert (" conditional(" in encode) is expected, form
     assert (" while(" in decode) is expected, form
+
+
+def test_the_gpu_form_encodes_large_capacities_in_tiers(monkeypatch):
+  """Past GPU_FULL_ENCODE_MAX_SLOTS the GPU form's encode takes the tiers' conditionals
+  (cheaper there than encoding every slot); its decode still has no loop, and both
+  forms still give the same bits."""
+  monkeypatch.setattr(adacomp_core, "GPU_FULL_ENCODE_MAX_SLOTS", 1000)
+  # A size no other test compiles: compiled kernels are cached with the traced constant.
+  n = 69999
+  compressor = tf_adacomp.AdaComp()
+  plans = [compressor.plan([n], tf.float32, kind="dense")]  # 17,500 slots
+  grad = tf.constant(np.random.default_rng(0).standard_normal(n).astype(np.float32))
+  payload, _ = compressor.compress([grad], [(tf.zeros([n]),)], plans)
+  encode = _hlo("gpu", lambda g: compressor.compress([g], [(tf.zeros_like(g),)], plans), grad)
+  decode = _hlo("gpu", lambda p: compressor.decompress(p[None], plans), payload)
+  assert " conditional(" in encode and " while(" not in decode
+  grads, residues = _inputs((n,), 0.3, np.float32, seed=1)
+  _assert_bit_identical(_run("cpu", compressor, grads, residues, 2),
+                        _run("gpu", compressor, grads, residues, 2))
 
 
 def test_the_form_follows_the_device_a_kernel_is_traced_on():

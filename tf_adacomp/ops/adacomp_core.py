@@ -45,6 +45,10 @@ from tf_adacomp.ops import variant
 SCALES = ("tensor", "bin")
 # Smaller encoder tiers, as fractions 1/d of the positions (see _packed_codes).
 SLOT_TIERS = (128, 16)
+# The GPU form encodes every slot of the capacity up to this many; past it, the tiers'
+# two conditionals (two host round trips) cost less than encoding every slot: on an
+# H200 the tiered encode was faster from 24M elements (6M slots) on (docs/gpu.md).
+GPU_FULL_ENCODE_MAX_SLOTS = 1 << 22
 # Codes the decoder unpacks and adds per loop iteration (see add_codes); a multiple of
 # 32, so that every chunk starts on a word boundary whatever the code width.
 DECODE_CHUNK = 2048
@@ -321,8 +325,8 @@ def _packed_codes(words, signs, cap: int, count, bits: int, index_of=None):
   ``index_of`` maps buffer positions to the index a code carries (with several tensors,
   the position within its own); by default they are the same.
 
-  The GPU form (``ops.variant``) has no conditional: it encodes every slot and zeroes
-  those past the tier, which gives the same words.
+  The GPU form (``ops.variant``) has no conditional up to ``GPU_FULL_ENCODE_MAX_SLOTS``
+  slots: it encodes every slot and zeroes those past the tier, which gives the same words.
   """
   full_words = bitpack.packed_words(cap, bits)
 
@@ -342,7 +346,7 @@ def _packed_codes(words, signs, cap: int, count, bits: int, index_of=None):
     return tf.zeros([0], tf.int32)
   n = int(words.shape[0]) * compaction.WORD_BITS
   tiers = sorted({min(cap, -(-n // d)) for d in SLOT_TIERS} | {cap})
-  if variant.gpu_form(words):
+  if variant.gpu_form(words) and cap <= GPU_FULL_ENCODE_MAX_SLOTS:
     tier_sizes = tf.constant(tiers, tf.int32)
     return encode(cap, kept=tf.reduce_min(tf.where(count <= tier_sizes, tier_sizes, cap)))
 

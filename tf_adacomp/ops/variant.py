@@ -7,7 +7,9 @@ work. On XLA:GPU every conditional and every loop iteration waits for its predic
 the host, a round trip of tens of microseconds: on an H100 the decoder's iterations
 made most of a compressed ResNet-50 step (docs/gpu.md). The GPU form does the same
 arithmetic without the control flow: it
-encodes the full capacity and keeps the tier's slots, and adds every chunk at once.
+encodes the full capacity and keeps the tier's slots (up to
+``adacomp_core.GPU_FULL_ENCODE_MAX_SLOTS``; past it the tiers cost less), and adds every
+chunk at once.
 The two give bit-identical payloads and sums (tests/ops/test_variant.py).
 
 The form is chosen when a kernel is traced, from the device it is placed on: a GPU, or
