@@ -138,7 +138,9 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
       itself, a step with the compressed exchange against a step with the dense
       float32 all-reduce, every replica agreeing, and exchanges with the faster
       (``steps.choice``: probes of 10 exchanges each, the medians of their step times,
-      the dense probe ended after 1 or 2 exchanges where dense is clearly slower;
+      the dense probe skipped where two scouts of a sixteenth of its bytes estimate a
+      dense exchange at over 4 compressed steps, or ended after 1 or 2 exchanges where
+      dense is clearly slower;
       probed again after 200 exchanges, twice as late each time the same choice wins,
       and late enough that a probe's slower steps cost at most 2% of the time between
       probes; at most 10,000). A dense step sums the values exactly and keeps the
@@ -299,7 +301,9 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
       first, "compressed", the first probe's), ``"phase"`` ("probing compressed",
       "probing dense" or "chosen"), and the replicas' median step times in seconds at
       the last decision, ``"compressed_step_seconds"`` and ``"dense_step_seconds"``
-      (None before the first; where dense's probe stopped early, its last period:
+      (None before the first; where dense's probe stopped early, its last period, and
+      where the scouts skipped it, their estimate), and ``"scouted_dense_seconds"``,
+      the last scouts' estimate of a dense exchange (None where they could not tell:
       ``steps.choice``).
     """
     if not self.built or self._choice is None:

@@ -53,6 +53,30 @@ def cond_on_every_replica(flag, true_fn, false_fn, values):
                                                         args=(flag, values))
 
 
+def switch_on_every_replica(index, branches, values):
+  """``branches[index](values)`` in every replica: ``cond_on_every_replica`` with more
+  than two branches (``index``, an int32 scalar, the same on every replica), one
+  ``tf.switch_case`` where several conds would each be taken in cross-replica context.
+
+  Args:
+    index: an int32 scalar tensor in ``[0, len(branches))``, equal on every replica.
+    branches: functions of ``values``, called in a replica context, that return the
+      same structure of tensors.
+    values: a structure of this replica's tensors.
+  """
+  if tf.__internal__.distribute.strategy_supports_no_merge_call():
+    return tf.switch_case(index, [lambda b=b: b(values) for b in branches])
+
+  def in_cross_replica(distribution, index, values):
+    index = distribution.experimental_local_results(index)[0]
+    return tf.switch_case(index, [
+        lambda b=b: distribution.extended.call_for_each_replica(b, args=(values,))
+        for b in branches])
+
+  return tf.distribute.get_replica_context().merge_call(in_cross_replica,
+                                                        args=(index, values))
+
+
 def all_replicas_finite(finite, *counts):
   """Whether ``finite`` (this replica's bool) holds on every replica, and the sums over
   the replicas of ``counts`` (float32 scalars), in one all-reduce: the one place where

@@ -120,6 +120,39 @@ def test_a_costly_probe_comes_back_rarely():
   assert choice_lib.describe(choice)["exchange"] == "compressed"
 
 
+def _drive_scouted(choice, exchanges, compressed_s, scouted_s):
+  """``_drive`` where every scout estimated a dense exchange at ``scouted_s``."""
+  choice.scouted.assign(scouted_s)
+  return _drive(choice, exchanges, compressed_s, dense_s=1000.0)
+
+
+def test_a_scout_that_finds_the_link_slow_skips_the_dense_probe():
+  # Compressed 10 ms; a dense exchange estimated at 41 ms (over 4x): no dense step at
+  # all, and the next probe is pushed out by what its two scouts cost (2 x 41/16 ms,
+  # 0.51 compressed steps: under RECHECK).
+  choice = _choice()
+  modes = _drive_scouted(choice, PHASE + 3, compressed_s=0.010, scouted_s=0.041)
+  assert modes == "c" * (PHASE + 3)
+  described = choice_lib.describe(choice)
+  assert described["phase"] == "chosen" and described["exchange"] == "compressed"
+  assert described["dense_step_seconds"] == pytest.approx(0.041)
+  assert described["scouted_dense_seconds"] == pytest.approx(0.041)
+  assert int(choice.recheck.numpy()) == choice_lib.RECHECK
+  # 39 ms (under 4x): the dense probe runs as without a scout (and ends after its first
+  # step, a period of 1000 s here).
+  choice = _choice()
+  modes = _drive_scouted(choice, PHASE + 3, compressed_s=0.010, scouted_s=0.039)
+  assert modes == "c" * PHASE + "d" + "cc"
+
+
+def test_a_very_slow_link_is_probed_again_only_when_the_scouts_are_worth_it():
+  # A dense exchange estimated at 16 s against 0.25 s compressed: the probe's scouts
+  # cost 2 x 1 s, 8 compressed steps, at most 2% of the time until the next probe.
+  choice = _choice()
+  _drive_scouted(choice, PHASE + 2, compressed_s=0.25, scouted_s=16.0)
+  assert abs(int(choice.recheck.numpy()) - 400) <= 1
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_the_median_is_numpys_upper_median(seed):
   rng = np.random.default_rng(seed)
@@ -139,6 +172,8 @@ def short_probes(monkeypatch):
   monkeypatch.setattr(choice_lib, "PROBE", 2)
   monkeypatch.setattr(choice_lib, "RECHECK", 4)
   monkeypatch.setattr(choice_lib, "RECHECK_MAX", 4)
+  # The scouts run, but never estimate: CPU jitter must not skip these tests' dense probes.
+  monkeypatch.setattr(choice_lib, "SCOUT_MIN_SECONDS", float("inf"))
 
 
 def _data(steps, batch=8):
@@ -171,7 +206,8 @@ class _Steps(keras.callbacks.Callback):
     self.optimizer, self.modes, self.bytes, self.residues = optimizer, [], [], []
 
   def on_train_batch_end(self, batch, logs=None):
-    self.modes.append(self.optimizer.exchange_choice()["exchange"][0])
+    choice = self.optimizer.exchange_choice()
+    self.modes.append(choice["exchange"][0] if choice else "c")
     self.bytes.append(int(self.optimizer.bytes_sent.numpy().sum()))
     self.residues.append([x.numpy().copy() for r in self.optimizer.residues for x in r])
 
@@ -203,6 +239,54 @@ def test_with_nothing_compressed_it_trains_as_keras_whatever_it_chooses(short_pr
   want, _, _ = _fit(lambda: keras.optimizers.SGD(0.05, momentum=0.9), steps=12)
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=2e-6)
+
+
+def test_in_fit_the_scouts_estimate_decides_for_every_replica(short_probes, monkeypatch):
+  # The scout replaced by one that estimates 1,000 s on replica 0 and 0 (no estimate)
+  # on replica 1: their mean, 500 s, skips the dense probe on both.
+  del short_probes
+  sent = []
+
+  def scout(ready, nbytes):
+    sent.append(nbytes)
+    replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+    return tf.where(tf.equal(replica, 0), tf.constant(1000.0, tf.float64), 0.0)
+
+  monkeypatch.setattr(choice_lib, "_scout", scout)
+  _, optimizer, steps = _fit(lambda: tf_adacomp.CompressedOptimizer(
+      keras.optimizers.SGD(0.05), compressor="adacomp", dense_when_faster=True), steps=8)
+  assert steps.modes == list("cccccccc")
+  described = optimizer.exchange_choice()
+  assert described["dense_step_seconds"] == pytest.approx(500.0)
+  assert described["scouted_dense_seconds"] == pytest.approx(500.0)
+  assert set(sent) == {4 * (5 * 3 + 3) // choice_lib.SCOUT_FRACTION}  # a dense step's 1/16
+  # The first exchange scouted (SETTLE=1 here): its bytes are the compressed exchange's
+  # and the scout's two all-reduces (a float32 scalar, 4 bytes of zeros).
+  _, _, plain = _fit(lambda: tf_adacomp.CompressedOptimizer(
+      keras.optimizers.SGD(0.05), compressor="adacomp"), steps=2)
+  assert steps.bytes[0] == plain.bytes[0] + 4 + 4
+
+
+def test_a_scout_of_many_bytes_estimates_a_dense_exchange():
+  # 2 replicas on one host: 64 MB of zeros take well past the latency and 5 ms, and the
+  # estimate is SCOUT_FRACTION times such a transfer (more than 4 times one timed here).
+  strategy = tf.distribute.MirroredStrategy(DEVICES)
+  nbytes = 64 << 20
+
+  def scout_then_transfer():
+    estimate = choice_lib._scout([tf.zeros([1])], nbytes)  # pylint: disable=protected-access
+    with tf.control_dependencies([estimate]):
+      start = tf.timestamp()
+    with tf.control_dependencies([start]):
+      done = tf.distribute.get_replica_context().all_reduce(
+          tf.distribute.ReduceOp.SUM, tf.zeros([nbytes // 4]))
+    with tf.control_dependencies([done]):
+      return estimate, tf.timestamp() - start
+
+  results = tf.function(lambda: strategy.run(scout_then_transfer))()
+  for estimate, transfer in zip(*[strategy.experimental_local_results(r) for r in results]):
+    assert float(estimate) > max(4 * float(transfer), 8 * choice_lib.SCOUT_MIN_SECONDS), (
+        float(estimate), float(transfer))
 
 
 def test_compression_stats_logs_each_decision(short_probes, caplog):

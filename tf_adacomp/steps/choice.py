@@ -11,6 +11,13 @@ devices, so the wrapper measures it on the cluster it runs on, in the training i
    next is a *period*: the exchange, the apply, the next step's compute and whatever
    Keras does in between, all that a step costs. The first ``SETTLE`` periods of a
    phase (XLA compilation, a collective's set-up) are not counted.
+   During the settling exchanges the probe also *scouts* the link: after the compressed
+   exchange, a scalar all-reduce (the link's latency) and one of zeros of
+   ``1 / SCOUT_FRACTION`` of a dense exchange's bytes, both timed. From them, the dense
+   exchange's time is estimated (latency + ``SCOUT_FRACTION`` times the zeros' transfer);
+   where that alone exceeds ``EARLY_FACTORS[1]`` times the compressed median, the dense
+   probe is skipped: on a slow link a dense step costs as much as tens of compressed
+   ones, and its estimate costs a sixteenth of one.
 2. **Probe dense**: the same with the dense all-reduce (the values summed in their own
    dtype, one all-reduce per dtype; the residues are kept for later, so nothing is
    lost). The probe stops early where dense already loses clearly: its first period
@@ -45,6 +52,10 @@ PROBE = 8  # periods counted per probe
 # (the first carries one-off costs: the dense branch's first run, a collective's set-up).
 EARLY_FACTORS = {1: 4.0, 2: 2.0}
 MARGIN = 0.02  # compressed must be this much faster than dense to be kept
+SCOUT_FRACTION = 16  # a scout sends this fraction of a dense exchange's bytes
+# A scout's transfer shorter than this (or than twice the latency) is the link's jitter
+# more than its bandwidth: no estimate, and the dense probe runs.
+SCOUT_MIN_SECONDS = 0.005
 RECHECK = 200  # exchanges between probes, at first
 RECHECK_MAX = 10_000
 PROBE_SHARE = 0.02  # the most a probe's extra time may be of the time between probes
@@ -80,8 +91,10 @@ class Choice:
     self.periods = one("periods", [2, PROBE], tf.float64, "mean")
     self.medians = one("medians", [2], tf.float64, "mean")
     self.last_time = one("last_time", [], tf.float64, "mean")
+    # This replica's estimate of a dense exchange's seconds from the last scout (0: none).
+    self.scouted = one("scouted", [], tf.float64, "mean")
     self.variables = [self.phase, self.count, self.chosen, self.recheck, self.periods,
-                      self.medians, self.last_time]
+                      self.medians, self.last_time, self.scouted]
 
   def exchange(self, plans, values, states, compressed):
     """This exchange, compressed (``compressed(values, states)``, an ``Exchanged``) or
@@ -102,27 +115,43 @@ class Choice:
     with tf.control_dependencies(dense_values):  # when this step's values are ready
       now = tf.timestamp()
     use_dense = self._schedule(now)
+    with tf.control_dependencies([use_dense]):  # the schedule's new phase and count
+      count = tf.convert_to_tensor(self.count)
+      scout = (tf.equal(tf.convert_to_tensor(self.phase), PROBING_COMPRESSED)
+               & tf.less_equal(count, SETTLE))
+    scout_bytes = sum(v.shape.num_elements() * v.dtype.size for v in dense_values) // SCOUT_FRACTION
 
-    # Each replica's values and states go through the arguments (cond_on_every_replica).
-    def run_compressed(own):
+    # Each replica's values and states go through the arguments (switch_on_every_replica).
+    def run_compressed(own, scouting=False):
       own_values, own_states = own
       full_values, full_states = [None] * len(values), list(states)
       for j, k in enumerate(present):
         full_values[k], full_states[k] = own_values[j], own_states[j]
       exchanged = compressed(full_values, full_states)
-      return ([exchanged.sums[k] for k in present], [tuple(exchanged.states[k]) for k in present],
-              [tf.cast(exchanged.nbytes[k], tf.int64) for k in present])
+      sums = [exchanged.sums[k] for k in present]
+      nbytes = [tf.cast(exchanged.nbytes[k], tf.int64) for k in present]
+      estimate = tf.constant(-1.0, tf.float64)
+      if scouting:  # its bytes counted with the first value's, as dense ones are
+        estimate = _scout(sums, scout_bytes)
+        nbytes[0] += 4 * (1 + max(scout_bytes // 4, 1))
+      return sums, [tuple(exchanged.states[k]) for k in present], nbytes, estimate
 
     def run_dense(own):
       own_values, own_states = own
       ctx = tf.distribute.get_replica_context()
       sums = engine_lib._all_reduce_joined(ctx, list(own_values))  # pylint: disable=protected-access
       nbytes = [base.dense_nbytes(v)[0] for v in own_values]
-      return sums, [tuple(tf.identity(s) for s in state) for state in own_states], nbytes
+      return (sums, [tuple(tf.identity(s) for s in state) for state in own_states], nbytes,
+              tf.constant(-1.0, tf.float64))
 
-    sums, new_states, nbytes = replica_steps.cond_on_every_replica(
-        use_dense, run_dense, run_compressed,
+    branch = tf.where(use_dense, 1, tf.where(scout, 2, 0))  # int32
+    sums, new_states, nbytes, estimate = replica_steps.switch_on_every_replica(
+        branch, [run_compressed, run_dense, lambda own: run_compressed(own, scouting=True)],
         (dense_values, [tuple(states[k]) for k in present]))
+    # The lowest of a probe's scouts (a delay only ever adds): its first sets it.
+    old = tf.convert_to_tensor(self.scouted)
+    self.scouted.assign(tf.where(estimate < 0.0, old, tf.where(
+        tf.equal(count, 1), estimate, tf.minimum(old, estimate))))
     full_sums, full_states, full_nbytes = [None] * len(values), list(states), [None] * len(values)
     for j, k in enumerate(present):
       full_sums[k], full_states[k], full_nbytes[k] = sums[j], tuple(new_states[j]), nbytes[j]
@@ -147,13 +176,18 @@ class Choice:
     dense_probe = tf.equal(phase, PROBING_DENSE) & (last > 0.0)
     early = {k: dense_probe & tf.equal(count, k) for k in EARLY_FACTORS}
     full = tf.equal(phase, PROBING_DENSE) & tf.equal(count, SETTLE + PROBE)
-    # The replicas' mean of [the compressed median, dense's first period or median].
-    dense_time = tf.where(full, _median(periods[1]), period)
+    to_dense_probe = tf.equal(phase, PROBING_COMPRESSED) & tf.equal(count, SETTLE + PROBE)
+    scouted = tf.convert_to_tensor(self.scouted)
+    # The replicas' mean of [the compressed median, dense's first period or median, or
+    # the scout's estimate of a dense exchange].
+    dense_time = tf.where(full, _median(periods[1]), tf.where(to_dense_probe, scouted, period))
     measured = replica_steps.cond_on_every_replica(
-        tf.reduce_any(tf.stack([full, *early.values()])), _mean_over_replicas,
+        tf.reduce_any(tf.stack([full, to_dense_probe, *early.values()])), _mean_over_replicas,
         lambda own: tf.zeros([2], tf.float64), tf.stack([compressed_median, dense_time]))
     compressed_wins = measured[0] < (1.0 - MARGIN) * measured[1]
-    decided = full
+    # A dense exchange alone longer than EARLY_FACTORS[1] compressed periods: no probe.
+    skipped = to_dense_probe & (measured[1] > EARLY_FACTORS[1] * measured[0])
+    decided = full | skipped
     for k, factor in EARLY_FACTORS.items():
       decided = decided | (early[k] & (measured[1] > factor * measured[0]))
     new_choice = tf.where(compressed_wins, tf.constant(COMPRESSED, tf.int64),
@@ -168,13 +202,14 @@ class Choice:
     slower = tf.where(full, tf.constant(float(SETTLE + PROBE), tf.float64),
                       tf.cast(count, tf.float64))
     faster = tf.maximum(tf.reduce_min(measured), 1e-9)
-    extra = slower * (tf.reduce_max(measured) / faster - 1.0)
+    extra = tf.where(skipped,  # the scouts: each a fraction of a dense exchange
+                     SETTLE * measured[1] / SCOUT_FRACTION / faster,
+                     slower * (tf.reduce_max(measured) / faster - 1.0))
     new_recheck = tf.minimum(
         tf.maximum(new_recheck, tf.cast(tf.math.ceil(extra / PROBE_SHARE), tf.int64)),
         RECHECK_MAX)
-    to_dense_probe = tf.equal(phase, PROBING_COMPRESSED) & tf.equal(count, SETTLE + PROBE)
     to_probe = tf.equal(phase, CHOSEN) & (count >= recheck)
-    new_phase = tf.where(to_dense_probe, tf.constant(PROBING_DENSE, tf.int64),
+    new_phase = tf.where(to_dense_probe & ~skipped, tf.constant(PROBING_DENSE, tf.int64),
                          tf.where(decided, tf.constant(CHOSEN, tf.int64),
                                   tf.where(to_probe, tf.constant(PROBING_COMPRESSED, tf.int64),
                                            phase)))
@@ -194,6 +229,29 @@ class Choice:
                          | (tf.equal(new_phase, CHOSEN) & tf.equal(chosen, DENSE)))
 
 
+def _scout(ready, nbytes):
+  """This replica's estimate of a dense exchange's seconds: a scalar all-reduce timed
+  (the link's latency, and every replica past the exchange), then one of ``nbytes`` of
+  zeros, ``1 / SCOUT_FRACTION`` of a dense exchange's bytes, whose transfer time beyond
+  the latency is scaled up; 0 where the transfer is too short to tell the bandwidth
+  (``SCOUT_MIN_SECONDS``). Both start once ``ready`` (this exchange's sums) are."""
+  ctx = tf.distribute.get_replica_context()
+  with tf.control_dependencies(ready):
+    start = tf.timestamp()
+  with tf.control_dependencies([start]):
+    latency_done = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.zeros([1], tf.float32))
+  with tf.control_dependencies([latency_done]):
+    middle = tf.timestamp()
+  with tf.control_dependencies([middle]):
+    zeros_done = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                                tf.zeros([max(nbytes // 4, 1)], tf.float32))
+  with tf.control_dependencies([zeros_done]):
+    end = tf.timestamp()
+  latency, transfer = middle - start, end - middle
+  reliable = transfer > tf.maximum(2.0 * latency, SCOUT_MIN_SECONDS)
+  return tf.where(reliable, latency + SCOUT_FRACTION * (transfer - latency), 0.0)
+
+
 def _median(values):
   """The upper median of a vector (robust to a period with an evaluation in it)."""
   return tf.sort(values)[int(values.shape[0]) // 2]
@@ -210,16 +268,20 @@ def describe(choice):
 
   Returns:
     ``{"exchange": "dense" | "compressed", "phase": "probing compressed" | "probing
-    dense" | "chosen", "compressed_step_seconds": ..., "dense_step_seconds": ...}``: the
-    last exchange's kind and phase, and the replicas' median step times at the last
-    decision (None before one; dense's is its last period where the probe stopped
-    early).
+    dense" | "chosen", "compressed_step_seconds": ..., "dense_step_seconds": ...,
+    "scouted_dense_seconds": ...}``: the last exchange's kind and phase, the replicas'
+    median step times at the last decision (None before one; dense's is its last
+    period where the probe stopped early, or the scouts' estimate where they skipped
+    it), and the replicas' mean of the last scouts' estimate of a dense exchange (None
+    where they could not tell).
   """
   phase, chosen = int(choice.phase.numpy()), int(choice.chosen.numpy())
   medians = [float(m) for m in choice.medians.numpy()]
+  scouted = float(choice.scouted.numpy())
   dense = phase == PROBING_DENSE or (phase == CHOSEN and chosen == DENSE)
   return {"exchange": "dense" if dense else "compressed",
           "phase": {PROBING_COMPRESSED: "probing compressed", PROBING_DENSE: "probing dense",
                     CHOSEN: "chosen"}[phase],
           "compressed_step_seconds": medians[0] or None,
-          "dense_step_seconds": medians[1] or None}
+          "dense_step_seconds": medians[1] or None,
+          "scouted_dense_seconds": scouted or None}
