@@ -259,9 +259,14 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
 
   def _make_step(self):
     """The exchange mode's step (``tf_adacomp.steps``) over this wrapper's state."""
+    # With one exchange per step the choice takes the whole step (Keras' dense step where
+    # dense); with rounds or a shared moment it takes their exchanges.
+    whole_step = (self._choice is not None and self.local_steps == 1
+                  and self.second_moment not in ("shared", "global"))
     guard = guard_lib.Guard(self._exchange, self.hierarchy, self.plans, self.residues,
                             self.bytes_sent, self._distribution_strategy,
-                            on_traced=self._compile_log.traced, choice=self._choice)
+                            on_traced=self._compile_log.traced,
+                            choice=None if whole_step else self._choice)
     inner = inner_lib.KerasInner(self.inner_optimizer, self.local_clipnorm)
     if self.second_moment in ("shared", "global"):
       return shared_adam.SharedMoment(
@@ -276,6 +281,9 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
     else:
       step = updates_step.UpdateExchange(guard, inner, self.momentum_masking,
                                          self.outer_optimizer)
+    if whole_step:
+      step = choice_lib.ChosenStep(self._choice, guard, inner, step,
+                                   per_replica=self.exchange == "updates")
     # The inner optimizer's EMA, if any, follows the exchanged weights (tf_adacomp.ema).
     return ema.AfterExchange(step) if self.inner_optimizer.use_ema else step
 

@@ -289,6 +289,28 @@ def test_a_scout_of_many_bytes_estimates_a_dense_exchange():
         float(estimate), float(transfer))
 
 
+def _copies(variable):
+  """Each replica's copy of a Keras variable, as NumPy arrays."""
+  return [v.numpy() for v in variable.value.values]
+
+
+def test_dense_steps_start_from_the_replicas_mean_state_and_keep_them_equal(short_probes):
+  # The update exchange: 3 compressed steps leave each replica its own momentum; the 3
+  # dense steps after them start from their mean, so the momenta stay equal (Keras'
+  # dense step, the same on every replica).
+  del short_probes
+  _, optimizer, steps = _fit(lambda: tf_adacomp.CompressedOptimizer(
+      keras.optimizers.SGD(0.05, momentum=0.9), compressor="adacomp",
+      dense_when_faster=True), steps=6)
+  assert steps.modes == list("cccddd")
+  momenta = [v for v in optimizer.inner_optimizer.variables if "momentum" in v.path]
+  assert momenta
+  for variable in momenta:
+    first, second = _copies(variable)
+    np.testing.assert_array_equal(first, second)
+    assert np.any(first != 0)
+
+
 def test_compression_stats_logs_each_decision(short_probes, caplog):
   del short_probes
   with caplog.at_level(logging.INFO, logger="tf_adacomp"):

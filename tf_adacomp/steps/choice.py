@@ -17,7 +17,10 @@ devices, so the wrapper measures it on the cluster it runs on, in the training i
    exchange's time is estimated (latency + ``SCOUT_FRACTION`` times the zeros' transfer);
    where that alone exceeds ``EARLY_FACTORS[1]`` times the compressed median, the dense
    probe is skipped: on a slow link a dense step costs as much as tens of compressed
-   ones, and its estimate costs a sixteenth of one.
+   ones, and each scout a sixteenth of one. The lower of the probe's estimates is kept
+   (a delay only ever adds), and a transfer shorter than ``SCOUT_MIN_SECONDS`` or than
+   twice the latency estimates nothing: it is the link's jitter, or a burst its buffer
+   let through at once, more than its bandwidth.
 2. **Probe dense**: the same with the dense all-reduce (the values summed in their own
    dtype, one all-reduce per dtype; the residues are kept for later, so nothing is
    lost). The probe stops early where dense already loses clearly: its first period
@@ -45,6 +48,7 @@ from tf_adacomp import replica_steps
 from tf_adacomp.compressors import base
 from tf_adacomp.exchange import engine as engine_lib
 from tf_adacomp.exchange.wire import Exchanged
+from tf_adacomp.ops import fused
 
 SETTLE = 2  # periods of a phase not counted (compilation, a collective's set-up)
 PROBE = 8  # periods counted per probe
@@ -93,8 +97,10 @@ class Choice:
     self.last_time = one("last_time", [], tf.float64, "mean")
     # This replica's estimate of a dense exchange's seconds from the last scout (0: none).
     self.scouted = one("scouted", [], tf.float64, "mean")
+    # 1 where the last step was dense (``ChosenStep``: the replicas' states are equal).
+    self.last_dense = one("last_dense", [], tf.int64, "only_first_replica")
     self.variables = [self.phase, self.count, self.chosen, self.recheck, self.periods,
-                      self.medians, self.last_time, self.scouted]
+                      self.medians, self.last_time, self.scouted, self.last_dense]
 
   def exchange(self, plans, values, states, compressed):
     """This exchange, compressed (``compressed(values, states)``, an ``Exchanged``) or
@@ -112,14 +118,7 @@ class Choice:
     present = [k for k, v in enumerate(values) if v is not None]
     # Dense, with the plan's static shape (an Embedding's IndexedSlices summed into rows).
     dense_values = [engine_lib._densified(values[k], plans[k]) for k in present]  # pylint: disable=protected-access
-    with tf.control_dependencies(dense_values):  # when this step's values are ready
-      now = tf.timestamp()
-    use_dense = self._schedule(now)
-    with tf.control_dependencies([use_dense]):  # the schedule's new phase and count
-      count = tf.convert_to_tensor(self.count)
-      scout = (tf.equal(tf.convert_to_tensor(self.phase), PROBING_COMPRESSED)
-               & tf.less_equal(count, SETTLE))
-    scout_bytes = sum(v.shape.num_elements() * v.dtype.size for v in dense_values) // SCOUT_FRACTION
+    use_dense, scout, count, scout_bytes = self._begin(dense_values)
 
     # Each replica's values and states go through the arguments (switch_on_every_replica).
     def run_compressed(own, scouting=False):
@@ -148,14 +147,31 @@ class Choice:
     sums, new_states, nbytes, estimate = replica_steps.switch_on_every_replica(
         branch, [run_compressed, run_dense, lambda own: run_compressed(own, scouting=True)],
         (dense_values, [tuple(states[k]) for k in present]))
-    # The lowest of a probe's scouts (a delay only ever adds): its first sets it.
-    old = tf.convert_to_tensor(self.scouted)
-    self.scouted.assign(tf.where(estimate < 0.0, old, tf.where(
-        tf.equal(count, 1), estimate, tf.minimum(old, estimate))))
+    self._keep(estimate, count)
     full_sums, full_states, full_nbytes = [None] * len(values), list(states), [None] * len(values)
     for j, k in enumerate(present):
       full_sums[k], full_states[k], full_nbytes[k] = sums[j], tuple(new_states[j]), nbytes[j]
     return Exchanged(full_sums, full_states, full_nbytes)
+
+  def _begin(self, dense_values):
+    """The schedule moved on at the time ``dense_values`` are ready: ``(whether this
+    exchange is dense, whether it scouts, the new count, a scout's bytes)``."""
+    with tf.control_dependencies(dense_values):  # when this step's values are ready
+      now = tf.timestamp()
+    use_dense = self._schedule(now)
+    with tf.control_dependencies([use_dense]):  # the schedule's new phase and count
+      count = tf.convert_to_tensor(self.count)
+      scout = (tf.equal(tf.convert_to_tensor(self.phase), PROBING_COMPRESSED)
+               & tf.less_equal(count, SETTLE))
+    dense_bytes = sum(v.shape.num_elements() * v.dtype.size for v in dense_values)
+    return use_dense, scout, count, dense_bytes // SCOUT_FRACTION
+
+  def _keep(self, estimate, count):
+    """Keeps a scout's ``estimate`` (negative: none this exchange): the lowest of a
+    probe's scouts (a delay only ever adds), its first setting it."""
+    old = tf.convert_to_tensor(self.scouted)
+    self.scouted.assign(tf.where(estimate < 0.0, old, tf.where(
+        tf.equal(count, 1), estimate, tf.minimum(old, estimate))))
 
   def _schedule(self, now):
     """Records the period that ends at ``now``, moves the schedule one exchange on and
@@ -227,6 +243,89 @@ class Choice:
     with tf.control_dependencies(updates):
       return tf.identity(tf.equal(new_phase, PROBING_DENSE)
                          | (tf.equal(new_phase, CHOSEN) & tf.equal(chosen, DENSE)))
+
+
+class ChosenStep:
+  """``dense_when_faster`` for a whole step (the update and the gradient exchange, one
+  exchange per step): each step is either the mode's own, compressed, or Keras' dense
+  step, as ``choice``'s schedule says, in one cross-replica switch.
+
+  Keras' dense step: the gradients summed over the replicas (one all-reduce per dtype)
+  and one step of the inner optimizer on their sum, skipped where the sum is not
+  finite. Under the update exchange each replica's inner optimizer state is its own
+  (its own gradients stepped it); the first dense step after compressed ones sets every
+  replica's to their mean first (one all-reduce per dtype), so that from there every
+  replica takes the same step from the same state, as under Keras. The residues keep
+  what the compressor held back for the next compressed step.
+
+  Args:
+    choice: the wrapper's ``Choice`` (its schedule, its scouts).
+    guard: the wrapper's ``steps.guard.Guard`` (built without a choice of its own).
+    inner: the inner optimizer adapter (``steps.inner``).
+    step: the mode's step (``UpdateExchange`` or ``GradientExchange``).
+    per_replica: whether each replica's inner optimizer state is its own (the update
+      exchange).
+  """
+
+  def __init__(self, choice, guard, inner, step, per_replica):
+    self.choice, self.guard, self.inner, self.step = choice, guard, inner, step
+    self.per_replica = per_replica
+
+  def __call__(self, grads, variables, indices, dense):
+    choice, guard = self.choice, self.guard
+    present = [k for k, g in enumerate(grads) if g is not None]
+    plans = [guard.plans[indices[k]] for k in present]
+    # Dense, with the plan's static shape (an Embedding's IndexedSlices summed into rows).
+    dense_grads = [engine_lib._densified(grads[k], p) for k, p in zip(present, plans)]  # pylint: disable=protected-access
+    use_dense, scout, count, scout_bytes = choice._begin(dense_grads)  # pylint: disable=protected-access
+    last_dense = tf.equal(tf.convert_to_tensor(choice.last_dense), 1)
+
+    # Each replica's gradients go through the arguments (switch_on_every_replica).
+    def run_compressed(own, scouting=False):
+      self.step(list(own[0]), variables, indices, dense)
+      if not scouting:
+        return tf.constant(-1.0, tf.float64)
+      # After the step (automatic control dependencies order it after its updates).
+      estimate = _scout([], scout_bytes)
+      guard.bytes_sent.assign_add(tf.one_hot(indices[present[0]], len(guard.plans),
+                                             dtype=tf.int64)
+                                  * 4 * (1 + max(scout_bytes // 4, 1)))
+      return estimate
+
+    def run_dense(own, sync=False):
+      ctx = tf.distribute.get_replica_context()
+      if sync:
+        _average_state(ctx, self.inner.optimizer)
+      sums = engine_lib._all_reduce_joined(ctx, list(own[1]))  # pylint: disable=protected-access
+      finite = fused.all_finite(sums)  # the same sums, the same flag, on every replica
+      stepping = [variables[k] for k in present]
+      guard.on_every_replica_if(finite, lambda s: self.inner.step(list(s), stepping), sums)
+      guard.record_bytes([indices[k] for k in present],
+                         [base.dense_nbytes(g)[0] for g in own[1]])
+      return tf.constant(-1.0, tf.float64)
+
+    sync = tf.logical_not(last_dense) if self.per_replica else tf.constant(False)
+    branch = tf.where(use_dense, tf.where(sync, 3, 1), tf.where(scout, 2, 0))  # int32
+    estimate = replica_steps.switch_on_every_replica(
+        branch, [run_compressed, run_dense, lambda own: run_compressed(own, scouting=True),
+                 lambda own: run_dense(own, sync=True)], (list(grads), dense_grads))
+    choice._keep(estimate, count)  # pylint: disable=protected-access
+    choice.last_dense.assign(tf.cast(use_dense, tf.int64))
+
+
+def _average_state(ctx, optimizer):
+  """Sets this replica's copy of ``optimizer``'s per-replica floating state (its slots,
+  one value per replica) to the replicas' mean (one all-reduce per dtype)."""
+  state = [x for x in optimizer.variables if tf.as_dtype(x.dtype).is_floating
+           and getattr(getattr(x, "value", x), "synchronization", None)
+           == tf.VariableSynchronization.ON_READ]
+  if not state:
+    return
+  values = [tf.convert_to_tensor(x) for x in state]
+  sums = engine_lib._all_reduce_joined(ctx, values)  # pylint: disable=protected-access
+  replicas = ctx.num_replicas_in_sync
+  for x, total in zip(state, sums):
+    x.assign(total / tf.cast(replicas, total.dtype))
 
 
 def _scout(ready, nbytes):
