@@ -62,8 +62,9 @@ def summarise(events, top=12, names=None):
 
   A kernel is a complete event (``ph == "X"``) on a GPU's process that names its
   ``hlo_module`` (shown by its program's name where ``names`` has it); a module's runs
-  are its distinct ``run_id``s (without them, the fewest kernels any op launched). Copies are events on a GPU's process whose name
-  starts with ``Memcpy`` and that name a module.
+  are its distinct ``run_id``s (without them, the fewest kernels any op launched).
+  Copies are events on a GPU's process whose name starts with ``Memcpy`` and that name
+  a module. Without a GPU's process (a trace of a CPU run), every process counts.
 
   Returns:
     ``{module: {"runs", "device_us_per_run", "copies_per_run", "ops": [[op, us per

@@ -143,8 +143,10 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
       dense is clearly slower;
       probed again after 200 exchanges, twice as late each time the same choice wins,
       and late enough that a probe's slower steps cost at most 2% of the time between
-      probes; at most 10,000). A dense step sums the values exactly and keeps the
-      residues for later. ``exchange_choice()`` says what it chose and why. Needs
+      probes; at most 10,000). A dense step is Keras' (the gradients summed, one inner
+      step; the replicas' optimizer states averaged at the first after compressed
+      ones) and keeps the residues for later; with ``local_steps`` or a shared moment,
+      the exchange is chosen, dense or compressed. ``exchange_choice()`` says what it chose and why. Needs
       reduction="sum", no ``start_step`` and no ``momentum_masking``.
 
   Raises:

@@ -40,6 +40,11 @@ devices, so the wrapper measures it on the cluster it runs on, in the training i
 The schedule counts exchanges (with local steps, a round's end), and every replica
 takes the same branches: the phase and the count are the same on all, and the one value
 that is not (the times) is averaged before anything depends on it.
+
+Where the optimizer exchanges every step, the choice takes the whole step
+(``ChosenStep``): a dense step is Keras' own, the gradients' all-reduce and one inner
+step. With rounds of local steps or a shared moment it takes the exchange
+(``Choice.exchange``, through ``steps.guard.Guard``): the same values, summed dense.
 """
 
 import tensorflow as tf
