@@ -289,6 +289,23 @@ def test_a_scout_of_many_bytes_estimates_a_dense_exchange():
         float(estimate), float(transfer))
 
 
+def test_a_dense_step_clips_each_replicas_gradient_as_a_compressed_step_does(short_probes):
+  # With nothing compressed and SGD (linear), a step of the update exchange on the
+  # replicas' clipped gradients and Keras' dense step on their sum are the same step.
+  del short_probes
+
+  def wrapper(**kwargs):
+    return lambda: tf_adacomp.CompressedOptimizer(
+        keras.optimizers.SGD(0.05, momentum=0.9), compressor="none", local_clipnorm=0.05,
+        **kwargs)
+
+  got, _, steps = _fit(wrapper(dense_when_faster=True), steps=8)
+  assert "d" in steps.modes
+  want, _, _ = _fit(wrapper(), steps=8)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=2e-6)
+
+
 def _copies(variable):
   """Each replica's copy of a Keras variable, as NumPy arrays."""
   return [v.numpy() for v in variable.value.values]

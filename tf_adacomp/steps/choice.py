@@ -255,9 +255,9 @@ class ChosenStep:
   exchange per step): each step is either the mode's own, compressed, or Keras' dense
   step, as ``choice``'s schedule says, in one cross-replica switch.
 
-  Keras' dense step: the gradients summed over the replicas (one all-reduce per dtype)
-  and one step of the inner optimizer on their sum, skipped where the sum is not
-  finite. Under the update exchange each replica's inner optimizer state is its own
+  Keras' dense step: the gradients summed over the replicas (one all-reduce per dtype;
+  each replica's clipped to ``local_clipnorm`` first, where set) and one step of the
+  inner optimizer on their sum, skipped where the sum is not finite. Under the update exchange each replica's inner optimizer state is its own
   (its own gradients stepped it); the first dense step after compressed ones sets every
   replica's to their mean first (one all-reduce per dtype), so that from there every
   replica takes the same step from the same state, as under Keras. The residues keep
@@ -279,6 +279,8 @@ class ChosenStep:
   def __call__(self, grads, variables, indices, dense):
     choice, guard = self.choice, self.guard
     present = [k for k, g in enumerate(grads) if g is not None]
+    if not present:  # nothing to exchange either way
+      return self.step(grads, variables, indices, dense)
     plans = [guard.plans[indices[k]] for k in present]
     # Dense, with the plan's static shape (an Embedding's IndexedSlices summed into rows).
     dense_grads = [engine_lib._densified(grads[k], p) for k, p in zip(present, plans)]  # pylint: disable=protected-access
@@ -301,7 +303,10 @@ class ChosenStep:
       ctx = tf.distribute.get_replica_context()
       if sync:
         _average_state(ctx, self.inner.optimizer)
-      sums = engine_lib._all_reduce_joined(ctx, list(own[1]))  # pylint: disable=protected-access
+      # Each replica's own mean gradient clipped to local_clipnorm first, as both
+      # exchanges clip it.
+      own_grads = self.inner.clip(list(own[1]), ctx.num_replicas_in_sync)
+      sums = engine_lib._all_reduce_joined(ctx, own_grads)  # pylint: disable=protected-access
       finite = fused.all_finite(sums)  # the same sums, the same flag, on every replica
       stepping = [variables[k] for k in present]
       guard.on_every_replica_if(finite, lambda s: self.inner.step(list(s), stepping), sums)
