@@ -146,8 +146,9 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
       probes; at most 10,000). A dense step is Keras' (the gradients summed, one inner
       step; the replicas' optimizer states averaged at the first after compressed
       ones) and keeps the residues for later; with ``local_steps`` or a shared moment,
-      the exchange is chosen, dense or compressed. ``exchange_choice()`` says what it chose and why. Needs
-      reduction="sum", no ``start_step`` and no ``momentum_masking``.
+      the exchange is chosen, dense or compressed. ``exchange_choice()`` says what it
+      chose and why. Needs reduction="sum", no ``start_step`` and no
+      ``momentum_masking``.
 
   Raises:
     TypeError: ``inner_optimizer`` is not a Keras optimizer; an unknown keyword argument
