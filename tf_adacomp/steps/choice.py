@@ -137,7 +137,7 @@ class Choice:
       estimate = tf.constant(-1.0, tf.float64)
       if scouting:  # its bytes counted with the first value's, as dense ones are
         estimate = _scout(sums, scout_bytes)
-        nbytes[0] += 4 * (1 + max(scout_bytes // 4, 1))
+        nbytes[0] += _scout_sent(scout_bytes)
       return sums, [tuple(exchanged.states[k]) for k in present], nbytes, estimate
 
     def run_dense(own):
@@ -296,7 +296,7 @@ class ChosenStep:
       estimate = _scout([], scout_bytes)
       guard.bytes_sent.assign_add(tf.one_hot(indices[present[0]], len(guard.plans),
                                              dtype=tf.int64)
-                                  * 4 * (1 + max(scout_bytes // 4, 1)))
+                                  * _scout_sent(scout_bytes))
       return estimate
 
     def run_dense(own, sync=False):
@@ -338,6 +338,16 @@ def _average_state(ctx, optimizer):
     x.assign(total / tf.cast(replicas, total.dtype))
 
 
+def _scout_elements(nbytes):
+  """The float32 zeros a scout of ``nbytes`` all-reduces (at least one)."""
+  return max(nbytes // 4, 1)
+
+
+def _scout_sent(nbytes):
+  """The bytes a scout of ``nbytes`` sends: its scalar and its zeros, float32."""
+  return 4 * (1 + _scout_elements(nbytes))
+
+
 def _scout(ready, nbytes):
   """This replica's estimate of a dense exchange's seconds: a scalar all-reduce timed
   (the link's latency, and every replica past the exchange), then one of ``nbytes`` of
@@ -353,7 +363,7 @@ def _scout(ready, nbytes):
     middle = tf.timestamp()
   with tf.control_dependencies([middle]):
     zeros_done = ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                                tf.zeros([max(nbytes // 4, 1)], tf.float32))
+                                tf.zeros([_scout_elements(nbytes)], tf.float32))
   with tf.control_dependencies([zeros_done]):
     end = tf.timestamp()
   latency, transfer = middle - start, end - middle
