@@ -78,13 +78,15 @@ REPLICATED_STEPS = 6
 @pytest.fixture(scope="module")
 def replicated_fit():
   """One AdaComp run shared by the tests that only inspect it: the digits MLP on 2
-  replicas, gradient exchange, ``REPLICATED_STEPS`` steps; what the replicas exchanged
-  while its step was traced. ``(strategy, model, exchanged)``."""
+  replicas, gradient exchange, ``REPLICATED_STEPS`` steps, every step compressed
+  (``dense_when_faster=False``: tests/steps/test_choice.py has the choice's own); what
+  the replicas exchanged while its step was traced. ``(strategy, model, exchanged)``."""
   strategy = _strategy()
   with pytest.MonkeyPatch.context() as monkeypatch:
     exchanged = _record_exchanges(monkeypatch)
     model = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), _adacomp_kernels_only(),
-                                                        exchange="gradients"),
+                                                        exchange="gradients",
+                                                        dense_when_faster=False),
                  strategy, steps=REPLICATED_STEPS)
   return strategy, model, list(exchanged)
 
@@ -271,7 +273,10 @@ def test_warm_up_sends_dense_then_compresses():
 
 
 def test_stats_callback_logs_ratios(tmp_path):
-  model = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), _adacomp_kernels_only()),
+  # Every step compressed: the default's first two exchanges also scout the link, each
+  # with a sixteenth of a dense exchange's bytes (tests/steps/test_choice.py).
+  model = _fit(lambda: tf_adacomp.CompressedOptimizer(_sgd(), _adacomp_kernels_only(),
+                                                      dense_when_faster=False),
                steps=3, callbacks=[tf_adacomp.CompressionStats(log_dir=str(tmp_path / "tb"))])
   history = model.history.history
   assert history["compression_ratio"][0] > 20

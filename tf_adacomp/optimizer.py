@@ -134,9 +134,9 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
       the optimizer is built. A value restored from a saved config (``load_model``) that
       does not fit where it is restored is replaced, with a warning
       (``tf_adacomp.hierarchy``).
-    dense_when_faster: bool, default False. True: the wrapper measures, in the training
-      itself, a step with the compressed exchange against a step with the dense
-      float32 all-reduce, every replica agreeing, and exchanges with the faster
+    dense_when_faster: None (default), True or False. True: the wrapper measures, in
+      the training itself, a step with the compressed exchange against a step with the
+      dense float32 all-reduce, every replica agreeing, and exchanges with the faster
       (``steps.choice``: probes of 10 exchanges each, the medians of their step times,
       the dense probe skipped where two scouts of a sixteenth of its bytes estimate a
       dense exchange at over 4 compressed steps, or ended after 1 or 2 exchanges where
@@ -148,7 +148,9 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
       ones) and keeps the residues for later; with ``local_steps`` or a shared moment,
       the exchange is chosen, dense or compressed. ``exchange_choice()`` says what it
       chose and why. Needs reduction="sum", no ``start_step`` and no
-      ``momentum_masking``.
+      ``momentum_masking``. None: True where it applies and ``compressor`` is not
+      "none", else False. False: every exchange compressed (a run that must be the
+      same from one run to the next: the choice follows measured times).
 
   Raises:
     TypeError: ``inner_optimizer`` is not a Keras optimizer; an unknown keyword argument
@@ -173,7 +175,7 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
                reduction="sum", adasum_mode=None, exchange=None, momentum_masking=False,
                local_clipnorm=None, second_moment=None, second_moment_interval=None,
                precondition="before", local_steps=1, outer_optimizer=None, hierarchical=None,
-               devices_per_worker=None, dense_when_faster=False, **kwargs):
+               devices_per_worker=None, dense_when_faster=None, **kwargs):
     settings = arguments.resolve(
         CompressedOptimizer.__init__, inner_optimizer, compressor, start_step, reduction,
         adasum_mode, exchange, momentum_masking, local_clipnorm, second_moment,
@@ -304,10 +306,11 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
     return replica_state.FileCopies(self.variables if self.built else [])
 
   def exchange_choice(self):
-    """What ``dense_when_faster=True`` chose, and why.
+    """What ``dense_when_faster`` chose, and why.
 
     Returns:
-      None without ``dense_when_faster`` or before ``build``; else a dict:
+      None where it is off (``dense_when_faster=False``, ``compressor="none"``, ...) or
+      before ``build``; else a dict:
       ``"exchange"`` ("dense" or "compressed": what the last exchange was; before the
       first, "compressed", the first probe's), ``"phase"`` ("probing compressed",
       "probing dense" or "chosen"), and the replicas' median step times in seconds at

@@ -26,8 +26,8 @@ DEVICES = ["/cpu:0", "/cpu:1"]
 PHASE = choice_lib.SETTLE + choice_lib.PROBE  # exchanges of one probe
 
 
-def _choice():
-  optimizer = keras.optimizers.SGD(0.1)
+def _choice(optimizer=None):
+  optimizer = optimizer or keras.optimizers.SGD(0.1)
   reference = keras.Variable(np.zeros(3, np.float32), name="w")
   return choice_lib.Choice(variables_lib.Maker(optimizer), reference)
 
@@ -118,6 +118,25 @@ def test_a_costly_probe_comes_back_rarely():
   _drive(choice, PHASE + 2, compressed_s=0.25, dense_s=16.0)
   assert abs(int(choice.recheck.numpy()) - 3150) <= 1
   assert choice_lib.describe(choice)["exchange"] == "compressed"
+
+
+def test_a_restored_probe_does_not_count_the_time_between_the_save_and_the_restore():
+  # Saved after the dense probe's first exchange (dense 20 ms, compressed 30 ms),
+  # restored 10,000 s later: the restored schedule goes on with the dense probe, as
+  # if nothing had happened between. (The time of the last exchange, were it restored,
+  # would make one period of 10,000 s, a dense probe "4x slower" ended at once.)
+  saved_optimizer, restored_optimizer = keras.optimizers.SGD(0.1), keras.optimizers.SGD(0.1)
+  saved = _choice(saved_optimizer)
+  assert _drive(saved, PHASE + 1, compressed_s=0.030, dense_s=0.020) == "c" * PHASE + "d"
+  store = {}
+  saved_optimizer.save_own_variables(store)
+  restored = _choice(restored_optimizer)
+  restored_optimizer.load_own_variables(store)
+  modes = _drive(restored, PHASE - 1 + 5, compressed_s=0.030, dense_s=0.020, start=1e4)
+  assert modes == "d" * (PHASE - 1) + "d" * 5
+  described = choice_lib.describe(restored)
+  assert described["phase"] == "chosen" and described["exchange"] == "dense"
+  assert described["dense_step_seconds"] == pytest.approx(0.020)
 
 
 def _drive_scouted(choice, exchanges, compressed_s, scouted_s):
@@ -263,7 +282,7 @@ def test_in_fit_the_scouts_estimate_decides_for_every_replica(short_probes, monk
   # The first exchange scouted (SETTLE=1 here): its bytes are the compressed exchange's
   # and the scout's two all-reduces (a float32 scalar, 4 bytes of zeros).
   _, _, plain = _fit(lambda: tf_adacomp.CompressedOptimizer(
-      keras.optimizers.SGD(0.05), compressor="adacomp"), steps=2)
+      keras.optimizers.SGD(0.05), compressor="adacomp", dense_when_faster=False), steps=2)
   assert steps.bytes[0] == plain.bytes[0] + 4 + 4
 
 
@@ -356,13 +375,25 @@ def test_refused_where_it_cannot_apply(kwargs, named):
   assert named in str(error.value)
 
 
-def test_config_round_trip_and_nothing_to_report_without_it():
-  wrapper = tf_adacomp.CompressedOptimizer(keras.optimizers.SGD(0.1), dense_when_faster=True)
+@pytest.mark.parametrize("kwargs,on", [
+    ({}, True),  # the default: on wherever it applies
+    ({"dense_when_faster": True}, True),
+    ({"dense_when_faster": False}, False),
+    ({"compressor": "none"}, False),  # nothing to choose between
+    ({"compressor": "none", "dense_when_faster": True}, True),
+    ({"reduction": "adasum"}, False),
+    ({"start_step": 5}, False),
+    ({"momentum_masking": True}, False),
+])
+def test_on_by_default_wherever_it_applies(kwargs, on):
+  wrapper = tf_adacomp.CompressedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), **kwargs)
+  assert wrapper.dense_when_faster is on
   config = wrapper.get_config()
-  assert config["dense_when_faster"] is True
-  assert tf_adacomp.CompressedOptimizer.from_config(config).dense_when_faster is True
+  assert config["dense_when_faster"] is on
+  assert tf_adacomp.CompressedOptimizer.from_config(config).dense_when_faster is on
   assert wrapper.exchange_choice() is None  # not built
-  plain = tf_adacomp.CompressedOptimizer(keras.optimizers.SGD(0.1))
-  plain.build([keras.Variable(np.zeros(3, np.float32))])
-  assert plain.exchange_choice() is None
-  assert not any("exchange_choice" in v.path for v in plain.variables)
+  wrapper.build([keras.Variable(np.zeros(3, np.float32))])
+  assert (wrapper.exchange_choice() is not None) is on
+  assert any("exchange_choice" in v.path for v in wrapper.variables) is on
+  # The time of the last exchange is not saved (restored, it would span the gap).
+  assert not any("last_time" in v.path for v in wrapper.variables)

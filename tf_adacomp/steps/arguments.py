@@ -13,6 +13,7 @@ from tf_adacomp import exchange as exchange_lib
 from tf_adacomp import hierarchy as hierarchy_lib
 from tf_adacomp import local_steps as local_steps_lib
 from tf_adacomp.compressors import base
+from tf_adacomp.compressors import cast
 from tf_adacomp.compressors import registry
 from tf_adacomp.ops import checks
 from tf_adacomp.steps import momentum_masking as masking_lib
@@ -95,7 +96,7 @@ def resolve(wrapper_init, inner_optimizer, compressor, start_step, reduction, ad
   second_moment = shared_adam.resolve_second_moment(
       second_moment, exchange, reduction, inner_optimizer, momentum_masking, local_steps)
   dense_when_faster = check_dense_when_faster(dense_when_faster, reduction, start_step,
-                                              momentum_masking)
+                                              momentum_masking, compressor)
   return Settings(
       compressor=compressor, start_step=start_step, reduction=reduction, exchange=exchange,
       momentum_masking=momentum_masking, local_clipnorm=local_clipnorm,
@@ -109,10 +110,19 @@ def resolve(wrapper_init, inner_optimizer, compressor, start_step, reduction, ad
       dense_when_faster=dense_when_faster)
 
 
-def check_dense_when_faster(dense_when_faster, reduction, start_step, momentum_masking):
-  """``dense_when_faster`` as a bool, or ValueError where it cannot apply: its dense
+def check_dense_when_faster(dense_when_faster, reduction, start_step, momentum_masking,
+                            compressor):
+  """``dense_when_faster`` as a bool, or ValueError where True cannot apply: its dense
   exchange is a sum (not Adasum), and a warm-up or momentum masking would change what
-  its probes measure or mask."""
+  its probes measure or mask.
+
+  None (the default) is True wherever True applies and the compressor compresses: the
+  wrapper is never much slower than Keras' dense step, where that is the faster one
+  (docs/performance.md). With ``compressor="none"`` there is nothing to choose between.
+  """
+  if dense_when_faster is None:
+    return (reduction == "sum" and not start_step and not momentum_masking
+            and not isinstance(compressor, cast.NoCompression))
   dense_when_faster = checks.boolean(dense_when_faster, "dense_when_faster")
   if not dense_when_faster:
     return False

@@ -86,9 +86,9 @@ class Choice:
   """
 
   def __init__(self, make, reference):
-    def one(suffix, shape, dtype, aggregation):
+    def one(suffix, shape, dtype, aggregation, saved=True):
       return make.one(reference, tf.TensorSpec(shape, dtype), f"exchange_choice_{suffix}",
-                      aggregation=aggregation)
+                      aggregation=aggregation, saved=saved)
 
     self.phase = one("phase", [], tf.int64, "only_first_replica")
     self.count = one("count", [], tf.int64, "only_first_replica")
@@ -96,16 +96,15 @@ class Choice:
     self.recheck = one("recheck", [], tf.int64, "only_first_replica")
     # Seconds: each probe's counted periods ([compressed, dense]) on this replica, the
     # replicas' medians of the last decision ([compressed, dense]; 0: not measured),
-    # and when this replica's last exchange began (0: none yet).
+    # and when this replica's last exchange began (0: none yet). That time is not saved:
+    # restored, the first period would span the gap between the save and the restore.
     self.periods = one("periods", [2, PROBE], tf.float64, "mean")
     self.medians = one("medians", [2], tf.float64, "mean")
-    self.last_time = one("last_time", [], tf.float64, "mean")
+    self.last_time = one("last_time", [], tf.float64, "mean", saved=False)
     # This replica's estimate of a dense exchange's seconds from the last scout (0: none).
     self.scouted = one("scouted", [], tf.float64, "mean")
     # 1 where the last step was dense (``ChosenStep``: the replicas' states are equal).
     self.last_dense = one("last_dense", [], tf.int64, "only_first_replica")
-    self.variables = [self.phase, self.count, self.chosen, self.recheck, self.periods,
-                      self.medians, self.last_time, self.scouted, self.last_dense]
 
   def exchange(self, plans, values, states, compressed):
     """This exchange, compressed (``compressed(values, states)``, an ``Exchanged``) or

@@ -18,9 +18,11 @@ class Maker:
   def __init__(self, optimizer):
     self.optimizer = optimizer
 
-  def one(self, reference, spec, suffix, aggregation=None):
+  def one(self, reference, spec, suffix, aggregation=None, saved=True):
     """A variable with one value per replica (each replica's residue is its own), named
-    after ``reference`` and ``suffix``.
+    after ``reference`` and ``suffix``; ``saved=False``: not tracked by the optimizer,
+    so no checkpoint or saved model holds it (a value that means nothing in another
+    process, such as a time stamp).
 
     ``on_read`` synchronization keeps a separate copy on every replica. A floating
     state (a residue) has ``sum`` aggregation: a checkpoint stores the sum of the
@@ -46,7 +48,8 @@ class Maker:
         variable = keras.Variable(initializer="zeros", shape=spec.shape, dtype=spec.dtype.name,
                                   trainable=False, aggregation=aggregation,
                                   synchronization="on_read", name=name)
-    optimizer._track_variable(variable)  # pylint: disable=protected-access
+    if saved:
+      optimizer._track_variable(variable)  # pylint: disable=protected-access
     return variable
 
   def like(self, var_list, suffix, aggregation="mean"):
