@@ -28,6 +28,7 @@ checks. A configuration that raises is recorded as "error: ..." and the run goes
 
 import argparse
 import hashlib
+import inspect
 import json
 import os
 import sys
@@ -195,9 +196,13 @@ def keras_run(make_optimizer, devices=TWO, embedding=False, mixed=False):
 
 def compressed(inner, make_outer=None, **options):
   """A factory of ``CompressedOptimizer(inner(), **options)``, called in the strategy's
-  scope (the inner and outer optimizers' variables are the strategy's)."""
+  scope (the inner and outer optimizers' variables are the strategy's), every exchange
+  compressed (``dense_when_faster=False``, where the library has it)."""
   def make():
     outer = {} if make_outer is None else {"outer_optimizer": make_outer()}
+    if "dense_when_faster" in inspect.signature(tf_adacomp.CompressedOptimizer).parameters:
+      # Its default follows measured times: not the same from one run to the next.
+      outer["dense_when_faster"] = False
     return tf_adacomp.CompressedOptimizer(inner(), **options, **outer)
   return make
 

@@ -43,8 +43,8 @@ The package's modules, one per part of that work (each name is importable from
 """
 
 from tf_adacomp.exchange.engine import Exchange
-from tf_adacomp.exchange.engine import _all_reduce_joined
-from tf_adacomp.exchange.engine import _densified
+from tf_adacomp.exchange.engine import all_reduce_joined
+from tf_adacomp.exchange.engine import densified
 from tf_adacomp.exchange.engine import _marked
 from tf_adacomp.exchange.engine import replica_exchange
 from tf_adacomp.exchange.reduction import ADASUM

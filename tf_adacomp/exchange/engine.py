@@ -142,13 +142,13 @@ class Exchange:
     if ctx is None:
       raise RuntimeError("replica_exchange must be called in a replica context "
                          "(inside strategy.run or a Keras train step).")
-    grads = [_densified(g, plan) for g, plan in zip(grads, plans)]
+    grads = [densified(g, plan) for g, plan in zip(grads, plans)]
     if hierarchy is not None:
       return hierarchical.hierarchical_exchange(self, hierarchy, plans, grads, states, dense)
     out = self.compress(plans, grads, states, dense)
     summed = summable_rows = data = lengths = None
     if out.summable and self.reduction.sums_payloads:
-      summed = _all_reduce_joined(ctx, list(out.summable.values()))
+      summed = all_reduce_joined(ctx, list(out.summable.values()))
     elif out.summable:
       summable_rows = ctx.all_gather([p[None] for p in out.summable.values()], axis=0)
     if out.gathered:
@@ -178,7 +178,7 @@ class Exchange:
     outs, buffers, lengths = [], [], []
     for replica_grads, replica_states, device in zip(grads, states, devices):
       with tf.device(device):  # compressed and trimmed where the gradient is
-        replica_grads = [_densified(g, plan) for g, plan in zip(replica_grads, plans)]
+        replica_grads = [densified(g, plan) for g, plan in zip(replica_grads, plans)]
         out = self.compress(plans, replica_grads, replica_states, dense)
         outs.append(out)
         if out.gathered:
@@ -330,7 +330,7 @@ def replica_exchange(compressor: base.Compressor, plans: Sequence[base.TensorPla
                                                          hierarchy)
 
 
-def _densified(grad, plan: base.TensorPlan):
+def densified(grad, plan: base.TensorPlan):
   """``grad`` as a dense tensor of ``plan.shape``, its static shape set: an
   ``IndexedSlices`` summed into its rows, and one whose ``dense_shape`` is not static
   (``LossScaleOptimizer``'s unscaled slices) given the plan's shape, which the joined
@@ -349,7 +349,7 @@ def _marked(total, valid):
   return tf.where(valid, total, tf.constant(float("nan"), total.dtype))
 
 
-def _all_reduce_joined(ctx, tensors):
+def all_reduce_joined(ctx, tensors):
   """Sums ``tensors`` over replicas with one all-reduce per dtype: each group is
   flattened and joined first (Horovod's tensor fusion), then split back."""
   groups = {}

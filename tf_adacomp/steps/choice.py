@@ -121,37 +121,35 @@ class Choice:
     """
     present = [k for k, v in enumerate(values) if v is not None]
     # Dense, with the plan's static shape (an Embedding's IndexedSlices summed into rows).
-    dense_values = [engine_lib._densified(values[k], plans[k]) for k in present]  # pylint: disable=protected-access
+    dense_values = [engine_lib.densified(values[k], plans[k]) for k in present]
     use_dense, scout, count, scout_bytes = self._begin(dense_values)
 
-    # Each replica's values and states go through the arguments (switch_on_every_replica).
-    def run_compressed(own, scouting=False):
+    # Each replica's values and states go through the arguments (cond_on_every_replica).
+    def run_compressed(own):
       own_values, own_states = own
       full_values, full_states = [None] * len(values), list(states)
       for j, k in enumerate(present):
         full_values[k], full_states[k] = own_values[j], own_states[j]
       exchanged = compressed(full_values, full_states)
-      sums = [exchanged.sums[k] for k in present]
-      nbytes = [tf.cast(exchanged.nbytes[k], tf.int64) for k in present]
-      estimate = tf.constant(-1.0, tf.float64)
-      if scouting:  # its bytes counted with the first value's, as dense ones are
-        estimate = _scout(sums, scout_bytes)
-        nbytes[0] += _scout_sent(scout_bytes)
-      return sums, [tuple(exchanged.states[k]) for k in present], nbytes, estimate
+      return ([exchanged.sums[k] for k in present],
+              [tuple(exchanged.states[k]) for k in present],
+              [tf.cast(exchanged.nbytes[k], tf.int64) for k in present])
 
     def run_dense(own):
       own_values, own_states = own
       ctx = tf.distribute.get_replica_context()
-      sums = engine_lib._all_reduce_joined(ctx, list(own_values))  # pylint: disable=protected-access
+      sums = engine_lib.all_reduce_joined(ctx, list(own_values))
       nbytes = [base.dense_nbytes(v)[0] for v in own_values]
-      return (sums, [tuple(tf.identity(s) for s in state) for state in own_states], nbytes,
-              tf.constant(-1.0, tf.float64))
+      return sums, [tuple(tf.identity(s) for s in state) for state in own_states], nbytes
 
-    branch = tf.where(use_dense, 1, tf.where(scout, 2, 0))  # int32
-    sums, new_states, nbytes, estimate = replica_steps.switch_on_every_replica(
-        branch, [run_compressed, run_dense, lambda own: run_compressed(own, scouting=True)],
+    sums, new_states, nbytes = replica_steps.cond_on_every_replica(
+        use_dense, run_dense, run_compressed,
         (dense_values, [tuple(states[k]) for k in present]))
-    self._keep(estimate, count)
+    # The scout's bytes counted with the first value's, as dense ones are.
+    nbytes = list(nbytes)
+    nbytes[0] += tf.where(scout, tf.constant(_scout_sent(scout_bytes), tf.int64),
+                          tf.constant(0, tf.int64))
+    self._keep(self._scout_if(scout, sums, scout_bytes), count)
     full_sums, full_states, full_nbytes = [None] * len(values), list(states), [None] * len(values)
     for j, k in enumerate(present):
       full_sums[k], full_states[k], full_nbytes[k] = sums[j], tuple(new_states[j]), nbytes[j]
@@ -169,6 +167,15 @@ class Choice:
                & tf.less_equal(count, SETTLE))
     dense_bytes = sum(v.shape.num_elements() * v.dtype.size for v in dense_values)
     return use_dense, scout, count, dense_bytes // SCOUT_FRACTION
+
+  @staticmethod
+  def _scout_if(scout, ready, nbytes):
+    """This replica's scout's estimate (``_scout``) where ``scout`` (equal on every
+    replica), after ``ready``; else -1. Its own conditional, after the exchange's: in
+    the exchange's, the compressed step would be traced once more."""
+    return replica_steps.cond_on_every_replica(
+        scout, lambda own: _scout(own, nbytes),
+        lambda own: tf.constant(-1.0, tf.float64), list(ready))
 
   def _keep(self, estimate, count):
     """Keeps a scout's ``estimate`` (negative: none this exchange): the lowest of a
@@ -282,21 +289,14 @@ class ChosenStep:
       return self.step(grads, variables, indices, dense)
     plans = [guard.plans[indices[k]] for k in present]
     # Dense, with the plan's static shape (an Embedding's IndexedSlices summed into rows).
-    dense_grads = [engine_lib._densified(grads[k], p) for k, p in zip(present, plans)]  # pylint: disable=protected-access
+    dense_grads = [engine_lib.densified(grads[k], p) for k, p in zip(present, plans)]
     use_dense, scout, count, scout_bytes = choice._begin(dense_grads)  # pylint: disable=protected-access
     last_dense = tf.equal(tf.convert_to_tensor(choice.last_dense), 1)
 
     # Each replica's gradients go through the arguments (switch_on_every_replica).
-    def run_compressed(own, scouting=False):
+    def run_compressed(own):
       self.step(list(own[0]), variables, indices, dense)
-      if not scouting:
-        return tf.constant(-1.0, tf.float64)
-      # After the step (automatic control dependencies order it after its updates).
-      estimate = _scout([], scout_bytes)
-      guard.bytes_sent.assign_add(tf.one_hot(indices[present[0]], len(guard.plans),
-                                             dtype=tf.int64)
-                                  * _scout_sent(scout_bytes))
-      return estimate
+      return tf.constant(0)
 
     def run_dense(own, sync=False):
       ctx = tf.distribute.get_replica_context()
@@ -305,20 +305,26 @@ class ChosenStep:
       # Each replica's own mean gradient clipped to local_clipnorm first, as both
       # exchanges clip it.
       own_grads = self.inner.clip(list(own[1]), ctx.num_replicas_in_sync)
-      sums = engine_lib._all_reduce_joined(ctx, own_grads)  # pylint: disable=protected-access
+      sums = engine_lib.all_reduce_joined(ctx, own_grads)
       finite = fused.all_finite(sums)  # the same sums, the same flag, on every replica
       stepping = [variables[k] for k in present]
       guard.on_every_replica_if(finite, lambda s: self.inner.step(list(s), stepping), sums)
       guard.record_bytes([indices[k] for k in present],
                          [base.dense_nbytes(g)[0] for g in own[1]])
-      return tf.constant(-1.0, tf.float64)
+      return tf.constant(0)
 
     sync = tf.logical_not(last_dense) if self.per_replica else tf.constant(False)
-    branch = tf.where(use_dense, tf.where(sync, 3, 1), tf.where(scout, 2, 0))  # int32
-    estimate = replica_steps.switch_on_every_replica(
-        branch, [run_compressed, run_dense, lambda own: run_compressed(own, scouting=True),
-                 lambda own: run_dense(own, sync=True)], (list(grads), dense_grads))
-    choice._keep(estimate, count)  # pylint: disable=protected-access
+    branch = tf.where(use_dense, tf.where(sync, 2, 1), 0)  # int32
+    done = replica_steps.switch_on_every_replica(
+        branch, [run_compressed, run_dense, lambda own: run_dense(own, sync=True)],
+        (list(grads), dense_grads))
+    # After the step (its updates, ``done``): the scout, its bytes with the first
+    # gradient's.
+    guard.bytes_sent.assign_add(
+        tf.one_hot(indices[present[0]], len(guard.plans), dtype=tf.int64)
+        * tf.where(scout, tf.constant(_scout_sent(scout_bytes), tf.int64),
+                   tf.constant(0, tf.int64)))
+    choice._keep(choice._scout_if(scout, [done], scout_bytes), count)  # pylint: disable=protected-access
     choice.last_dense.assign(tf.cast(use_dense, tf.int64))
 
 
@@ -331,7 +337,7 @@ def _average_state(ctx, optimizer):
   if not state:
     return
   values = [tf.convert_to_tensor(x) for x in state]
-  sums = engine_lib._all_reduce_joined(ctx, values)  # pylint: disable=protected-access
+  sums = engine_lib.all_reduce_joined(ctx, values)
   replicas = ctx.num_replicas_in_sync
   for x, total in zip(state, sums):
     x.assign(total / tf.cast(replicas, total.dtype))
