@@ -259,15 +259,17 @@ class Choice:
 class ChosenStep:
   """``dense_when_faster`` for a whole step (the update and the gradient exchange, one
   exchange per step): each step is either the mode's own, compressed, or Keras' dense
-  step, as ``choice``'s schedule says, in one cross-replica switch.
+  step, as ``choice``'s schedule says, in one cross-replica switch (then the scout's
+  conditional: it runs in a probe's settling steps).
 
   Keras' dense step: the gradients summed over the replicas (one all-reduce per dtype;
   each replica's clipped to ``local_clipnorm`` first, where set) and one step of the
-  inner optimizer on their sum, skipped where the sum is not finite. Under the update exchange each replica's inner optimizer state is its own
-  (its own gradients stepped it); the first dense step after compressed ones sets every
-  replica's to their mean first (one all-reduce per dtype), so that from there every
-  replica takes the same step from the same state, as under Keras. The residues keep
-  what the compressor held back for the next compressed step.
+  inner optimizer on their sum, skipped where the sum is not finite. Under the update
+  exchange each replica's inner optimizer state is its own (its own gradients stepped
+  it); the first dense step after compressed ones sets every replica's to their mean
+  first (one all-reduce per dtype), so that from there every replica takes the same
+  step from the same state, as under Keras. The residues keep what the compressor held
+  back for the next compressed step.
 
   Args:
     choice: the wrapper's ``Choice`` (its schedule, its scouts).
