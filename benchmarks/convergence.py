@@ -173,7 +173,7 @@ def parse(argv=None):
   parser.add_argument("--smoke", action="store_true",
                       help="tiny models and budgets: checks the plumbing in seconds")
   parser.add_argument("--json", default="out/convergence.json")
-  parser.add_argument("--plot", default="out/convergence.png")
+  parser.add_argument("--plot", default="out/convergence.png", help="'' for none")
   args = parser.parse_args(argv)
   args.models = [m for m in args.models.split(",") if m]
   args.variants = [v for v in args.variants.split(",") if v]
@@ -546,7 +546,8 @@ def main(argv=None):
                                "runs": runs}
     # After every model, so that a long run that is stopped keeps what it measured.
     report.write_json(args.json, result)
-    plot(args.plot, result["models"], args.replicas)
+    if args.plot:
+      plot(args.plot, result["models"], args.replicas)
   report.write_json(args.json, result)
   return result
 
