@@ -28,8 +28,9 @@ class CompressionStats(keras.callbacks.Callback):
   ``compression/``, per step and per epoch (``epoch_...``; a step that sent nothing has
   no ratio and writes none). ``totals()`` gives the bytes and ratios of the whole
   training run, every byte counted, per kind; ``variable_totals()`` the same per
-  variable (per layer weight). With ``CompressedOptimizer(dense_when_faster=True)`` each
-  decision between the dense and the compressed exchange is logged (logger
+  variable (per layer weight). Where ``CompressedOptimizer``'s ``dense_when_faster`` is
+  on (its default) each decision between the dense and the compressed exchange is
+  logged (logger
   ``tf_adacomp``), with the step times it was taken on.
 
   Args:
