@@ -134,6 +134,19 @@ for _h in (2, 4, 8, 16, 32, 64):
     VARIANTS[f"{_compressor}+updates+H{_h}+nesterov"] = (
         _compressor, {}, {"exchange": "updates", "local_steps": _h,
                           "outer_optimizer": "nesterov"})
+    # Adam inside: each replica divides by its estimate of the global batch's second
+    # moment (second_moment="global"; tf_adacomp.steps.estimated_adam).
+    VARIANTS[f"{_compressor}+updates+H{_h}+global"] = (
+        _compressor, {}, {"exchange": "updates", "local_steps": _h,
+                          "outer_optimizer": "average", "second_moment": "global"})
+  # AdaComp's per-bin scales, or bins of 50 on dense kernels (more elements a round).
+  for _name, _compressor_options in (("adacomp-bin", {"scale": "bin"}),
+                                     ("adacomp-L50", {"dense_bin_size": 50,
+                                                      "recurrent_bin_size": 50})):
+    VARIANTS[f"{_name}+updates+H{_h}+global"] = (
+        "adacomp", _compressor_options, {"exchange": "updates", "local_steps": _h,
+                                         "outer_optimizer": "average",
+                                         "second_moment": "global"})
 # "+auto": the same with CompressedOptimizer's default dense_when_faster, which on one
 # host often chooses the dense exchange (its time is measured on this machine).
 for _name in ("adacomp", "adacomp+updates", "adacomp+updates+global", "adacomp+updates+H8"):

@@ -471,7 +471,8 @@ def test_defaults_every_step_and_the_average():
   assert (optimizer.local_steps, optimizer.outer_optimizer) == (1, "average")
   assert tf_adacomp.CompressedOptimizer(_sgd(), local_steps=4).outer_optimizer == "average"
   adam = tf_adacomp.CompressedOptimizer(keras.optimizers.Adam(), local_steps=4)
-  assert adam.second_moment == "local"  # DiLoCo's inner Adam keeps its own
+  # Each replica's Adam divides by its own estimate of the global batch's second moment.
+  assert adam.second_moment == "global"
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -488,8 +489,8 @@ def test_defaults_every_step_and_the_average():
     ({"local_steps": 4, "reduction": "adasum", "exchange": "updates"},
      r"local_steps=4.*reduction='adasum'"),
     ({"local_steps": 4, "momentum_masking": True}, r"local_steps=4.*momentum_masking=True"),
-    ({"local_steps": 4, "second_moment": "global",
-      "inner_optimizer": keras.optimizers.Adam()}, r"second_moment='global', local_steps=4"),
+    ({"local_steps": 4, "second_moment": "shared",
+      "inner_optimizer": keras.optimizers.Adam()}, r"second_moment='shared', local_steps=4"),
 ])
 def test_bad_arguments_name_themselves(kwargs, match):
   kwargs = {"inner_optimizer": _sgd(), **kwargs}

@@ -37,6 +37,7 @@ from tf_adacomp.compat import loss_scale
 from tf_adacomp.compressors import registry
 from tf_adacomp.steps import arguments
 from tf_adacomp.steps import choice as choice_lib
+from tf_adacomp.steps import estimated_adam
 from tf_adacomp.steps import gradients as gradients_step
 from tf_adacomp.steps import guard as guard_lib
 from tf_adacomp.steps import inner as inner_lib
@@ -100,7 +101,9 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
       replica divides by one second moment, the replicas' mean, averaged (dense
       bfloat16, counted in the bytes) at steps 1, 2, 4, 8, ...: the mean of the steps is
       then Adam's step on the mean gradient. "global": as "shared", with the second
-      moment of the mean gradient estimated from the replicas' own. None:
+      moment of the mean gradient estimated from the replicas' own; with
+      ``local_steps`` > 1, each replica's own estimate, nothing averaged
+      (``steps.estimated_adam``; "shared" does not take local steps). None:
       ``default_second_moment(inner_optimizer, ...)``: ``DEFAULT_SECOND_MOMENT`` where
       it applies, "local" otherwise.
     precondition: "before" (default) or "after", with a shared ``second_moment``: whether
@@ -114,7 +117,8 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
       (``steps.local_rounds``, ``tf_adacomp.local_steps``): each replica takes them on
       its own data from the round's anchor, and only the round's last step exchanges its
       pseudo-update (compressed, with error feedback). With more than 1, an Adam or AdamW
-      keeps each replica's own moments.
+      keeps each replica's own moments (and by default divides by its own estimate of
+      the global batch's second moment: ``second_moment``).
     outer_optimizer: None (default: ``local_steps.DEFAULT_OUTER``, "average"),
       "average" (the anchor moves by the mean pseudo-update) or a Keras optimizer that
       steps the anchor on minus the mean pseudo-update (DiLoCo's:
@@ -161,8 +165,8 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
       in ``tf_adacomp.steps`` checks its own: ``adasum_mode="delta"`` without Adasum,
       ``momentum_masking`` without a momentum or a residue, a shared ``second_moment``
       with an inner optimizer that is not a plain Adam or AdamW, ``local_steps`` > 1
-      with the gradient exchange, Adasum, momentum masking, a shared moment or an inner
-      ``use_ema``, ...); ``devices_per_worker`` that does not fit the strategy (when
+      with the gradient exchange, Adasum, momentum masking, ``second_moment="shared"``
+      or an inner ``use_ema``, ...); ``devices_per_worker`` that does not fit the strategy (when
       built); a base optimizer argument other than its Keras default (set those on the
       inner optimizer); an ``inner_optimizer`` that is a ``LossScaleOptimizer`` (wrap
       ``LossScaleOptimizer(CompressedOptimizer(inner))`` instead).
@@ -235,7 +239,10 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
         "CompressedOptimizer", lambda: int(self.iterations.numpy()) >= first_exchange)
     self._compile_log.start()
     self._scaling_watch = wrapper_stats.watch_scaling(self)
-    if self.second_moment in ("shared", "global"):
+    if self.second_moment == "global" and self.local_steps > 1:
+      # Each replica's moment of its squared first moment (steps.estimated_adam).
+      self.momentum_squares = make.like(var_list, "momentum_square")
+    elif self.second_moment in ("shared", "global"):
       # The second moment every replica divides by (equal on all; a checkpoint stores
       # it) and, for "global", each replica's moment of its squared first moment.
       self.shared_velocities = make.like(var_list, "shared_velocity", "only_first_replica")
@@ -273,7 +280,11 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
                             on_traced=self._compile_log.traced,
                             choice=None if whole_step else self._choice)
     inner = inner_lib.KerasInner(self.inner_optimizer, self.local_clipnorm)
-    if self.second_moment in ("shared", "global"):
+    if self.local_steps > 1 and self.second_moment == "global":
+      inner = estimated_adam.EstimatedGlobalAdam(
+          self.inner_optimizer, self.local_clipnorm, self.momentum_squares,
+          self._trainable_variables, self._distribution_strategy.num_replicas_in_sync)
+    elif self.second_moment in ("shared", "global"):
       return shared_adam.SharedMoment(
           guard, inner, self.second_moment, self.precondition, self.second_moment_interval,
           self.shared_velocities, self.moment_synced_at,

@@ -76,6 +76,8 @@ def moment_bytes(optimizer):
   """``CompressedOptimizer.moment_bytes`` (its docstring says what it returns)."""
   if not optimizer.built or optimizer.second_moment not in ("shared", "global"):
     return None
+  if optimizer.local_steps > 1:  # each replica estimates its own: nothing is averaged
+    return [0] * len(optimizer.plans)
   replicas = optimizer._distribution_strategy.num_replicas_in_sync  # pylint: disable=protected-access
   synced = (int(optimizer.moment_synced_at.numpy())
             == int(optimizer.inner_optimizer.iterations.numpy()))

@@ -25,8 +25,11 @@ test_oracle_cross_device_ops.py (``tf_adacomp.CompressedAllReduce``):
   exchange (the mean of the replicas' own gradients, each clipped to
   ``local_clipnorm``), the update exchange with local steps (``local_steps=H``: each
   replica steps its own optimizer for H steps from the anchor, the anchor moves by the
-  mean pseudo-update; H=1 is the update exchange), and Adam with the shared second
-  moment (NumPy, float64, the algorithm of ``tf_adacomp.shared_moment``'s docstring).
+  mean pseudo-update; H=1 is the update exchange; an Adam inside with
+  ``second_moment="global"``, the default, is Keras' with each replica's estimate of the
+  global batch's second moment in its ``update_step``: ``EstimatedGlobalAdam``), and
+  Adam with the shared second moment at every step (NumPy, float64, the algorithm of
+  ``tf_adacomp.shared_moment``'s docstring).
 - ``reference_kind`` picks the reference of a configuration and ``tolerance`` how close
   it must be (below); ``KNOWN_DEFECTS`` marks the configurations that fail because of a
   defect being fixed, ``xfail(strict=True)``, so that a fix turns them into XPASS
@@ -245,7 +248,7 @@ def resolved_second_moment(c: Config) -> str:
   """What the wrapper's ``second_moment`` is for ``c`` (its documented default)."""
   if c.second_moment is not None:
     return c.second_moment
-  if (c.exchange == "updates" and c.local_steps == 1 and c.inner != "sgd" and not c.ema):
+  if c.exchange == "updates" and c.inner != "sgd" and not c.ema:
     return "global"
   return "local"
 
@@ -261,13 +264,14 @@ def construction_error(c: Config) -> List[str]:
     broken.append("use_ema=True")
   if shared and c.exchange == "gradients":
     broken.append("exchange='gradients'")
-  if shared and c.local_steps > 1:
+  if c.second_moment == "shared" and c.local_steps > 1:
     broken.append(f"local_steps={c.local_steps}")
   if shared and c.inner == "sgd":
     broken.append("inner_optimizer=")
   if shared and c.ema:
     broken.append("use_ema=True")
-  if c.precondition == "after" and resolved_second_moment(c) == "local":
+  if c.precondition == "after" and (resolved_second_moment(c) == "local"
+                                    or c.local_steps > 1):
     broken.append("precondition='after'")
   return broken
 
@@ -277,12 +281,12 @@ TRAINING_RULES = (
     (("local_steps", "exchange"), lambda h, e: h == 1 or e == "updates"),
     (("local_steps", "ema"), lambda h, ema: h == 1 or not ema),
     (("second_moment", "exchange"), lambda s, e: s not in ("shared", "global") or e == "updates"),
-    (("second_moment", "local_steps"), lambda s, h: s not in ("shared", "global") or h == 1),
+    (("second_moment", "local_steps"), lambda s, h: s != "shared" or h == 1),
     (("second_moment", "inner"), lambda s, i: s not in ("shared", "global") or i != "sgd"),
     (("second_moment", "ema"), lambda s, ema: s not in ("shared", "global") or not ema),
     (("precondition", "second_moment", "inner", "exchange", "local_steps", "ema"),
-     lambda p, s, i, e, h, ema: p == "before" or resolved_second_moment(Config(
-         inner=i, exchange=e, second_moment=s, local_steps=h, ema=ema)) != "local"),
+     lambda p, s, i, e, h, ema: p == "before" or (h == 1 and resolved_second_moment(Config(
+         inner=i, exchange=e, second_moment=s, local_steps=h, ema=ema)) != "local")),
     (("devices_per_worker", "replicas"), lambda d, r: d is None or r in (2, 4)),
     (("no_strategy", "replicas"), lambda n, r: not n or r == 1),
     (("no_strategy", "v1"), lambda n, v1: not (n and v1)),
@@ -347,6 +351,10 @@ TARGETED = (
     Config(inner="adam", exchange="gradients", mixed=True, model="embedding"),  # B
     Config(inner="adam", local_clipnorm=CLIPNORM, model="embedding"),    # C
     Config(inner="adam", second_moment="global", precondition="after", replicas=4),
+    # Adam inside local steps with each replica's estimate of the global second moment
+    # (the default): an Embedding's slices, AdamW's decay, a round cut by set_weights.
+    Config(inner="adamw", local_steps=3, replicas=2, model="embedding", weight_decay=True),
+    Config(inner="adam", local_steps=3, replicas=2, event="set_weights"),
     Config(local_steps=3, replicas=2, event="keras"),                    # F
     Config(local_steps=3, mixed=True, event="keras_other"),  # G: the replay, fixed
 )
@@ -785,6 +793,49 @@ def _mean_gradients(grads_per_replica):
   return out
 
 
+def shares_moment(c: Config) -> bool:
+  """Whether the replicas of ``c`` share Adam's second moment (averaged in bfloat16)."""
+  return resolved_second_moment(c) in ("shared", "global") and c.local_steps == 1
+
+
+def EstimatedGlobalAdam(inner, replicas):  # pylint: disable=invalid-name
+  """``inner`` (a new Keras Adam or AdamW) as one replica's optimizer inside local steps
+  with ``second_moment="global"`` (tf_adacomp.steps.estimated_adam's docstring): Keras'
+  step (its schedule, weight decay, IndexedSlices squares), divided by the replica's
+  estimate of the global batch's second moment from its own moments, in float32."""
+
+  class Estimated(type(inner)):
+    """Keras' Adam with the estimate in its ``update_step``."""
+
+    def build(self, var_list):
+      if self.built:
+        return
+      super().build(var_list)
+      self.momentum_squares = [self.add_variable_from_reference(v, "momentum_square")
+                               for v in var_list]
+
+    def update_step(self, gradient, variable, learning_rate):
+      k = self._get_variable_index(variable)
+      m, v, w = self._momentums[k], self._velocities[k], self.momentum_squares[k]
+      t = tf.cast(self.iterations + 1, variable.dtype)
+      b1, b2 = tf.cast(self.beta_1, variable.dtype), tf.cast(self.beta_2, variable.dtype)
+      alpha = (tf.cast(learning_rate, variable.dtype) * tf.sqrt(1 - tf.pow(b2, t))
+               / (1 - tf.pow(b1, t)))
+      sparse = isinstance(gradient, tf.IndexedSlices)
+      square = (tf.math.unsorted_segment_sum(tf.square(gradient.values), gradient.indices,
+                                             gradient.dense_shape[0])
+                if sparse else tf.square(gradient))
+      m.assign_add((tf.convert_to_tensor(gradient) - m) * (1 - b1))
+      v.assign_add((square - v) * (1 - b2))
+      w.assign_add((tf.square(m / (1 - tf.pow(b1, t))) - w) * (1 - b2))
+      c = (1 - b1) / (1 + b1)
+      estimate = ((w - c * v) + (v - w) / replicas) / (1 - c)
+      estimate = v / replicas if sparse else tf.minimum(tf.maximum(estimate, v / replicas), v)
+      variable.assign_sub(alpha * m / (tf.sqrt(estimate) + self.epsilon))
+
+  return Estimated.from_config(inner.get_config())
+
+
 class NumpySharedAdam:
   """Adam with one second moment shared by the replicas (shared_moment's docstring), in
   float64, per variable (by position in the model's weights)."""
@@ -880,7 +931,7 @@ class Replay:
 
   def __init__(self, c: Config, start: List[np.ndarray]):
     self.c = c
-    self.mode = ("shared" if resolved_second_moment(c) in ("shared", "global") else
+    self.mode = ("shared" if shares_moment(c) else
                  "gradients" if c.exchange == "gradients" else "local")
     self.start = [s.copy() for s in start]
     self.exclude_bias = c.weight_decay
@@ -897,6 +948,8 @@ class Replay:
 
   def _inner(self, ema):
     optimizer = make_inner(self.c, ema=ema)
+    if resolved_second_moment(self.c) == "global":  # with local steps (not "shared")
+      optimizer = EstimatedGlobalAdam(optimizer, self.replicas)
     if self.c.weight_decay and self.exclude_bias:
       optimizer.exclude_from_weight_decay(var_names=["bias"])
     return optimizer
@@ -1083,7 +1136,7 @@ def reference_kind(c: Config) -> str:
 def tolerance(c: Config):
   if max(c.counts) == 1:
     return EXACT if c.local_steps == 1 and not rounding_defect(c) else ROUNDING
-  if reference_kind(c) == "replay" and resolved_second_moment(c) in ("shared", "global"):
+  if reference_kind(c) == "replay" and shares_moment(c):
     return SHARED
   return MIXED if c.mixed else FLOAT
 

@@ -127,7 +127,12 @@ def _clip_by_double_the_norm(tensors, clipnorm):
   return _CLIP(tensors, 2 * clipnorm)
 
 
+def _global_moment_of_one_replica(v, w, replicas, beta_1):
+  return _GLOBAL_MOMENT(v, w, 1, beta_1)
+
+
 _STEP_SIZE = shared_moment.step_size
+_GLOBAL_MOMENT = shared_moment.global_moment
 _CLIP = replica_steps.clip_by_global_norm
 MUTATIONS = {
     # The bias correction's sqrt(1 - beta_2^s) with this step's t instead of the step s
@@ -140,6 +145,11 @@ MUTATIONS = {
         replica_steps, "clip_by_global_norm", _clip_by_double_the_norm,
         oracle.Config(inner="adam", second_moment="local", replicas=2,
                       local_clipnorm=oracle.CLIPNORM)),
+    # Adam inside local steps divides by its own second moment (the estimate for one
+    # replica), not by its estimate of the global batch's.
+    "shared_moment.global_moment estimates one replica's moment": (
+        shared_moment, "global_moment", _global_moment_of_one_replica,
+        oracle.Config(inner="adam", local_steps=3, replicas=2, event="set_weights")),
 }
 
 

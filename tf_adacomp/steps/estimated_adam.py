@@ -1,0 +1,84 @@
+"""Adam inside local steps with the global batch's second moment, estimated by each
+replica from its own moments (``local_steps`` > 1 with ``second_moment="global"``).
+
+Within a round each replica takes Adam's steps on its own gradient, from a batch R
+times smaller than the global one. Its own second moment ``v_r`` then holds R times the
+gradient noise that Adam on the global batch would divide by, and its steps are smaller
+wherever the gradient is noisy: the mean of the replicas' steps is not Adam's step on
+the global batch, and local Adam falls behind (docs/convergence.md). Each replica
+instead divides by ``shared_moment.global_moment(v_r, w_r, R)``, the estimate of the
+mean gradient's second moment from its own ``v_r`` (moving average of g^2) and ``w_r``
+(of its bias-corrected first moment squared), which "global" computes from the
+replicas' averages. Nothing crosses devices for it: the estimate is each replica's own.
+
+Per replica and step ``t`` (1-based), with ``g`` its own mean gradient:
+
+    m <- m + (1 - beta_1) (g - m);   v <- v + (1 - beta_2) (g^2 - v)
+    w <- w + (1 - beta_2) ((m / (1 - beta_1^t))^2 - w)
+    weights <- decayed(weights) - lr sqrt(1 - beta_2^t) / (1 - beta_1^t)
+                                  * m / (sqrt(global_moment(v, w, R)) + epsilon)
+
+An Embedding's ``IndexedSlices`` gradient adds its slices' squares to ``v`` as Keras'
+Adam does; those add up across replicas, so its estimate is ``v / R``. With one replica
+the estimate is ``v``: Keras' Adam.
+"""
+
+import tensorflow as tf
+
+from tf_adacomp import shared_moment
+from tf_adacomp.steps import inner as inner_lib
+
+
+class EstimatedGlobalAdam(inner_lib.KerasInner):
+  """A Keras Adam (or AdamW) inner optimizer whose own steps divide by each replica's
+  estimate of the global batch's second moment.
+
+  Args:
+    optimizer: the built inner Adam or AdamW.
+    local_clipnorm: as ``KerasInner``.
+    momentum_squares: per variable the optimizer was built with, each replica's moving
+      average of its squared first moment (``w``).
+    variables: the variables the optimizer was built with, in that order.
+    replicas: the number of replicas R.
+  """
+
+  def __init__(self, optimizer, local_clipnorm, momentum_squares, variables, replicas):
+    super().__init__(optimizer, local_clipnorm)
+    self.momentum_squares = momentum_squares
+    self.index = {id(v): i for i, v in enumerate(variables)}
+    self.replicas = replicas
+
+  def own_step(self, grads, variables):
+    optimizer = self.optimizer
+    grads = self.clip(grads)
+    beta_1, beta_2 = optimizer.beta_1, optimizer.beta_2
+    t = tf.cast(optimizer.iterations, tf.int64) + 1
+    learning_rate = optimizer.learning_rate
+    alpha = shared_moment.step_size(learning_rate, t, t, beta_1, beta_2)
+    momentums, velocities = shared_moment.moment_slots(optimizer)
+    targets, values = [], []
+    for grad, variable in zip(grads, variables):
+      if grad is None:
+        continue
+      j = optimizer._get_variable_index(variable)  # pylint: disable=protected-access
+      m_slot, v_slot = momentums[j], velocities[j]
+      w_slot = self.momentum_squares[self.index[id(variable)]]
+      sparse = isinstance(grad, tf.IndexedSlices)
+      square = shared_moment.sparse_square(grad) if sparse else None
+      m, v = shared_moment.local_moments(tf.convert_to_tensor(m_slot),
+                                         tf.convert_to_tensor(v_slot), grad, beta_1,
+                                         beta_2, square)
+      w = shared_moment.local_momentum_square(tf.convert_to_tensor(w_slot), m, t, beta_1,
+                                              beta_2)
+      estimate = (v / self.replicas if sparse
+                  else shared_moment.global_moment(v, w, self.replicas, beta_1))
+      update = -tf.cast(alpha, m.dtype) * m / shared_moment.divisor(estimate,
+                                                                   optimizer.epsilon)
+      weights = shared_moment.decayed(optimizer, variable, tf.convert_to_tensor(variable),
+                                      learning_rate)
+      targets += [m_slot, v_slot, w_slot, variable]
+      values += [m, v, w, weights + update]
+    for target, value in zip(targets, values):
+      target.assign(value)
+    optimizer.iterations.assign_add(1)
+    return tf.constant(True)
