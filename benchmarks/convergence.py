@@ -27,7 +27,11 @@ first); for Adam and AdamW, the second moment: ``adacomp+updates+local`` (each
 replica's own), ``+shared`` (the replicas' mean), ``+global`` (estimated for the global
 batch), ``+global64`` (averaged every 64 steps once the doubling interval reaches 64),
 ``+global+after`` (``precondition="after"``), and ``none+updates+...`` the same without
-compression. Each of them compresses every exchange (``dense_when_faster=False``);
+compression. Local steps: ``adacomp+updates+H8`` (``local_steps=8``; H from 2 to 64),
+``+nesterov`` (DiLoCo's outer step), and for Adam inside ``+global`` (each replica's
+estimate of the global batch's second moment, the default) or ``+local`` (its own);
+``adacomp-bin+updates+H8+global`` and ``adacomp-L50+updates+H8+global`` (bins of 50 on
+dense kernels). Each of them compresses every exchange (``dense_when_faster=False``);
 ``adacomp+auto``, ``adacomp+updates+auto``, ``adacomp+updates+global+auto`` and
 ``adacomp+updates+H8+auto`` are the library's default choice instead, measured on this
 host (with one host's fast exchange, it often chooses dense). A variant whose
@@ -125,7 +129,8 @@ VARIANTS = {
 }
 # Local steps (DiLoCo, SparseLoCo): rounds of H steps, the pseudo-updates averaged
 # ("+H8") or stepped by DiLoCo's Nesterov SGD ("+H8+nesterov"); "none+updates+H8": the
-# same without compression.
+# same without compression. An Adam inside takes the default second moment ("global")
+# unless "+local" says each replica's own.
 for _h in (2, 4, 8, 16, 32, 64):
   for _compressor in ("adacomp", "none", "bf16"):
     VARIANTS[f"{_compressor}+updates+H{_h}"] = (
@@ -135,10 +140,12 @@ for _h in (2, 4, 8, 16, 32, 64):
         _compressor, {}, {"exchange": "updates", "local_steps": _h,
                           "outer_optimizer": "nesterov"})
     # Adam inside: each replica divides by its estimate of the global batch's second
-    # moment (second_moment="global"; tf_adacomp.steps.estimated_adam).
-    VARIANTS[f"{_compressor}+updates+H{_h}+global"] = (
-        _compressor, {}, {"exchange": "updates", "local_steps": _h,
-                          "outer_optimizer": "average", "second_moment": "global"})
+    # moment (second_moment="global", the default; tf_adacomp.steps.estimated_adam), or
+    # by its own ("+local", the default before).
+    for _moment in ("global", "local"):
+      VARIANTS[f"{_compressor}+updates+H{_h}+{_moment}"] = (
+          _compressor, {}, {"exchange": "updates", "local_steps": _h,
+                            "outer_optimizer": "average", "second_moment": _moment})
   # AdaComp's per-bin scales, or bins of 50 on dense kernels (more elements a round).
   for _name, _compressor_options in (("adacomp-bin", {"scale": "bin"}),
                                      ("adacomp-L50", {"dense_bin_size": 50,

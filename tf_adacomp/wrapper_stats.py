@@ -47,7 +47,8 @@ class Reports(ByteCounts):
 
     Returns:
       Bytes per variable, in ``variable_bytes()``'s order (zeros at a step that averaged
-      nothing), or None without a shared second moment.
+      nothing, and always with local steps, whose replicas estimate their own), or None
+      without a shared second moment.
     """
     return moment_bytes(self)
 
