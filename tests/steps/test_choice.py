@@ -260,6 +260,25 @@ def test_with_nothing_compressed_it_trains_as_keras_whatever_it_chooses(short_pr
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=2e-6)
 
 
+def test_adam_inside_local_steps_trains_alike_whichever_exchange_a_round_takes(short_probes):
+  # The default second moment with local steps (each replica's estimate of the global
+  # batch's), under the choice: with nothing compressed, a round's dense exchange and
+  # its "compressed" one are the same mean.
+  del short_probes
+
+  def make(choose):
+    return lambda: tf_adacomp.CompressedOptimizer(
+        keras.optimizers.Adam(0.01), compressor="none", local_steps=2,
+        dense_when_faster=choose)
+
+  got, optimizer, steps = _fit(make(True), steps=24)
+  assert optimizer.second_moment == "global"
+  assert "c" in steps.modes and "d" in steps.modes
+  want, _, _ = _fit(make(False), steps=24)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=2e-6)
+
+
 def test_in_fit_the_scouts_estimate_decides_for_every_replica(short_probes, monkeypatch):
   # The scout replaced by one that estimates 1,000 s on replica 0 and 0 (no estimate)
   # on replica 1: their mean, 500 s, skips the dense probe on both.
