@@ -948,7 +948,7 @@ class Replay:
 
   def _inner(self, ema):
     optimizer = make_inner(self.c, ema=ema)
-    if resolved_second_moment(self.c) == "global":  # with local steps (not "shared")
+    if self.c.local_steps > 1 and resolved_second_moment(self.c) == "global":
       optimizer = EstimatedGlobalAdam(optimizer, self.replicas)
     if self.c.weight_decay and self.exclude_bias:
       optimizer.exclude_from_weight_decay(var_names=["bias"])
