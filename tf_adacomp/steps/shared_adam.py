@@ -226,9 +226,9 @@ def default_second_moment(inner_optimizer, exchange="updates", reduction="sum",
   update exchange: of the three it came closest to Keras' Adam on the character LSTM
   and the transformer (docs/convergence.md). With local steps too: each replica then
   divides by its own estimate of the global batch's second moment
-  (``steps.estimated_adam``), which on the transformer took local Adam from 2.6 points
-  below dense to within half a point. "local" otherwise: other optimizers keep their
-  own state, and their second moment, if any, stays each replica's.
+  (``steps.estimated_adam``), which brought local Adam close to Keras' on the
+  transformer and the LSTM (docs/convergence.md). "local" otherwise: other optimizers
+  keep their own state, and their second moment, if any, stays each replica's.
 
   Args:
     inner_optimizer: the optimizer ``CompressedOptimizer`` wraps.
