@@ -31,7 +31,9 @@ compression. Local steps: ``adacomp+updates+H8`` (``local_steps=8``; H from 2 to
 ``+nesterov`` (DiLoCo's outer step), and for Adam inside ``+global`` (each replica's
 estimate of the global batch's second moment, the default) or ``+local`` (its own);
 ``adacomp-bin+updates+H8+global`` and ``adacomp-L50+updates+H8+global`` (bins of 50 on
-dense kernels). Each of them compresses every exchange (``dense_when_faster=False``);
+dense kernels). ``adacomp-tpos``, ``adacomp-tpos+updates``, ``...+H8``, ``...+global``:
+AdaComp with positions in tensors (``positions="tensor"``, the format before positions in
+bins: the same values, more bytes). Each of them compresses every exchange (``dense_when_faster=False``);
 ``adacomp+auto``, ``adacomp+updates+auto``, ``adacomp+updates+global+auto`` and
 ``adacomp+updates+H8+auto`` are the library's default choice instead, measured on this
 host (with one host's fast exchange, it often chooses dense). A variant whose
@@ -154,6 +156,13 @@ for _h in (2, 4, 8, 16, 32, 64):
         "adacomp", _compressor_options, {"exchange": "updates", "local_steps": _h,
                                          "outer_optimizer": "average",
                                          "second_moment": "global"})
+# "adacomp-tpos...": AdaComp's positions in tensors (positions="tensor", the format
+# before positions in bins): the same values in more bytes, for the ratio before.
+for _name in ("adacomp", "adacomp+updates", "adacomp+updates+H8", "adacomp+updates+global",
+              "adacomp+updates+H8+global"):
+  _compressor, _compressor_options, _options = VARIANTS[_name]
+  VARIANTS[_name.replace("adacomp", "adacomp-tpos", 1)] = (
+      _compressor, dict(_compressor_options, positions="tensor"), _options)
 # "+auto": the same with CompressedOptimizer's default dense_when_faster, which on one
 # host often chooses the dense exchange (its time is measured on this machine).
 for _name in ("adacomp", "adacomp+updates", "adacomp+updates+global", "adacomp+updates+H8"):
@@ -326,6 +335,12 @@ def unsupported(variant):
   missing = [k for k in VARIANTS[variant][2] if k not in parameters]
   if missing:
     return f"CompressedOptimizer has no {', '.join(missing)} option yet"
+  compressor, compressor_options, _ = VARIANTS[variant]
+  if compressor == "adacomp":
+    parameters = inspect.signature(tf_adacomp.AdaComp.__init__).parameters
+    missing = [k for k in compressor_options if k not in parameters]
+    if missing:
+      return f"AdaComp has no {', '.join(missing)} option yet"
   return None
 
 

@@ -331,6 +331,7 @@ def dense_from_pairs_per_bin(pairs, scales, n: int, bin_size: int,
 
 BUCKET_FLAG = 1 << 9
 BIN_SCALE_FLAG = 1 << 8
+BIN_POSITIONS_FLAG = 1 << 10
 
 
 def bucket_offsets(sizes):
@@ -348,7 +349,8 @@ class DecodedBucket:
 
 
 def unpack_bucket(payload, sizes, bin_size, per_bin=False) -> DecodedBucket:
-  """Independent unpacker of one bucket payload row."""
+  """Independent unpacker of one bucket payload row (docs/wire_format.md#buckets and
+  #positions-in-bins)."""
   words = np.asarray(payload).astype(np.int32).reshape(-1)
   count, flags, tensors, scale_words = (int(w) for w in words[:4])
   assert tensors == len(sizes)
@@ -359,17 +361,40 @@ def unpack_bucket(payload, sizes, bin_size, per_bin=False) -> DecodedBucket:
     scales = halves.view(np.float32)[:sum(bins_for(n, bin_size) for n in sizes)]
   else:
     scales = body.view(np.float32)
+  in_bins = bool(flags & BIN_POSITIONS_FLAG)
   bits = (flags & 0xFF)
-  assert bits == code_bits(max(sizes))
+  assert bits == (code_bits(min(bin_size, max(sizes))) if in_bins else code_bits(max(sizes)))
   ends = np.cumsum(np.maximum(counts, 0))
   stream = np.unpackbits(words[4 + tensors + scale_words:].astype("<i4").view(np.uint8),
                          bitorder="little")
   weights = 1 << np.arange(bits, dtype=np.uint64)
+  fields = [int((stream[j * bits:(j + 1) * bits].astype(np.uint64) * weights).sum())
+            for j in range(count)]
+  if in_bins:
+    bins = [bins_for(n, bin_size) for n in sizes]
+    code_bin = unary_bins(stream[32 * (-(-count * bits // 32)):], count, sum(bins))
+    first_bin = np.cumsum([0] + bins)
   pairs = [set() for _ in sizes]
-  for j in range(count):
-    code = int((stream[j * bits:(j + 1) * bits].astype(np.uint64) * weights).sum())
+  for j, code in enumerate(fields):
     pos, neg = code >> 1, bool(code & 1)
     t = int(np.searchsorted(ends, j, side="right"))
+    if in_bins:
+      assert pos < bin_size and first_bin[t] <= code_bin[j] < first_bin[t + 1], (j, t)
+      pos += (code_bin[j] - first_bin[t]) * bin_size
     assert pos < sizes[t], (pos, t)
     pairs[t].add((pos, neg))
   return DecodedBucket(count, flags, counts, np.asarray(scales, np.float32), pairs)
+
+
+def unary_bins(stream, count, bins):
+  """The bin of each of ``count`` codes from unary counts (a 1 per code of a bin, then a
+  0 closing it), read bit by bit; asserts that they hold ``count`` ones and ``bins``
+  zeros."""
+  code_bin, b = [], 0
+  for bit in stream[:bins + count]:
+    if bit:
+      code_bin.append(b)
+    else:
+      b += 1
+  assert len(code_bin) == count and b == bins, (len(code_bin), count, b, bins)
+  return code_bin

@@ -33,13 +33,15 @@ def _per_tensor(grads, residues, bin_size, max_density, scale, rows=1):
   return out
 
 
-def _check_reference(payload, new, grads, residues, bin_size, max_density, scale):
+def _check_reference(payload, new, grads, residues, bin_size, max_density, scale,
+                     positions="tensor"):
   """The bucket payload and new residues against the NumPy reference, tensor by tensor
   (independent of the kernel that the bucket and per-tensor paths share)."""
   sizes = [g.size for g in grads]
   got = ref.unpack_bucket(payload.numpy(), sizes, bin_size, per_bin=(scale == "bin"))
   assert got.flags & ref.BUCKET_FLAG
   assert bool(got.flags & ref.BIN_SCALE_FLAG) == (scale == "bin")
+  assert bool(got.flags & ref.BIN_POSITIONS_FLAG) == (positions == "bin")
   assert got.count == sum(max(c, 0) for c in got.counts)
   bin_start = 0
   for t, (g, r) in enumerate(zip(grads, residues)):
@@ -63,18 +65,24 @@ def _check_reference(payload, new, grads, residues, bin_size, max_density, scale
 
 
 def _check_bit_identical(shapes, bin_size, max_density, scale, seed, dtype=np.float32,
-                         nan_at=None, rows=2):
+                         nan_at=None, rows=2, positions="tensor"):
   rng = np.random.default_rng(seed)
   grads = _random(shapes, rng, dtype, scale=rng.choice([1e-6, 1.0, 1e3]))
   residues = _random(shapes, rng, np.float64 if dtype == np.float64 else np.float32, 0.3)
   if nan_at is not None:
     grads[nan_at].flat[0] = np.nan
-  payload, new = adacomp_bucket.compress(grads, residues, bin_size, max_density, scale)
-  lay = adacomp_bucket.layout([g.size for g in grads], bin_size, max_density, scale)
+  payload, new = adacomp_bucket.compress(grads, residues, bin_size, max_density, scale,
+                                         positions)
+  lay = adacomp_bucket.layout([g.size for g in grads], bin_size, max_density, scale,
+                              positions)
   assert payload.shape == [lay.width] and payload.dtype == tf.int32
   out_dtype = tf.float64 if dtype == np.float64 else tf.float32
+  # Each row only as long as its used words, the rest zeros (as the exchange pads them).
+  used = int(tf.reduce_sum(adacomp_bucket.tensor_nbytes(
+      payload, lay.sizes, bin_size, max_density, scale, positions))) // 4
+  assert not payload.numpy()[used:].any()
   decoded = adacomp_bucket.decompress(tf.stack([payload] * rows), shapes, out_dtype,
-                                      bin_size, max_density, scale)
+                                      bin_size, max_density, scale, positions)
   expected = _per_tensor(grads, residues, bin_size, max_density, scale, rows)
   for t, ((want_residue, want_decoded), got_residue, got_decoded) in enumerate(
       zip(expected, new, decoded)):
@@ -82,7 +90,7 @@ def _check_bit_identical(shapes, bin_size, max_density, scale, seed, dtype=np.fl
     np.testing.assert_array_equal(got_decoded.numpy(), want_decoded, err_msg=f"decoded {t}")
   # Both paths run the same kernel (ops.adacomp_core): what they agree on is checked
   # against the reference too.
-  _check_reference(payload, new, grads, residues, bin_size, max_density, scale)
+  _check_reference(payload, new, grads, residues, bin_size, max_density, scale, positions)
   return grads, residues, payload
 
 
@@ -99,16 +107,22 @@ EVERY_ELEMENT = ([(3000,), (40, 50)], 1)
 
 # The fast tier keeps one bucket (per-bin scales: test_the_payload_matches_the_numpy_
 # reference); the others (and the hypothesis search below) run in the whole suite.
-@pytest.mark.parametrize("bucket,max_density,scale", [
-    pytest.param(MLP_LIKE, 0.25, "tensor", marks=pytest.mark.slow),
-    pytest.param(MLP_LIKE, 1.0, "bin", marks=pytest.mark.slow),
-    (CONV_LIKE, 0.01, "tensor"), pytest.param(CONV_LIKE, 0.25, "bin", marks=pytest.mark.slow),
-    pytest.param(EVERY_ELEMENT, 1.0, "tensor", marks=pytest.mark.slow)])
-def test_a_bucket_is_bit_identical_to_per_tensor_kernels(bucket, max_density, scale):
-  # Short last bins, tensors smaller than a word, and capacities that overflow.
+@pytest.mark.parametrize("bucket,max_density,scale,positions", [
+    pytest.param(MLP_LIKE, 0.25, "tensor", "tensor", marks=pytest.mark.slow),
+    pytest.param(MLP_LIKE, 0.25, "tensor", "bin", marks=pytest.mark.slow),
+    pytest.param(MLP_LIKE, 1.0, "bin", "tensor", marks=pytest.mark.slow),
+    (CONV_LIKE, 0.01, "tensor", "tensor"), (CONV_LIKE, 0.25, "tensor", "bin"),
+    pytest.param(CONV_LIKE, 0.25, "bin", "tensor", marks=pytest.mark.slow),
+    pytest.param(CONV_LIKE, 0.25, "bin", "bin", marks=pytest.mark.slow),
+    pytest.param(EVERY_ELEMENT, 1.0, "tensor", "tensor", marks=pytest.mark.slow),
+    pytest.param(EVERY_ELEMENT, 1.0, "bin", "bin", marks=pytest.mark.slow)])
+def test_a_bucket_is_bit_identical_to_per_tensor_kernels(bucket, max_density, scale,
+                                                         positions):
+  # Short last bins, tensors smaller than a word, and capacities that overflow; with
+  # positions="bin" the same values (the per-tensor kernels send positions in tensors).
   shapes, bin_size = bucket
   _, _, payload = _check_bit_identical(shapes, bin_size, max_density, scale,
-                                       seed=len(shapes))
+                                       seed=len(shapes), positions=positions)
   if bucket is EVERY_ELEMENT:  # three chunks
     assert int(payload[0]) > 2 * adacomp_core.DECODE_CHUNK
 
@@ -122,10 +136,12 @@ def test_a_bucket_is_bit_identical_to_per_tensor_kernels(bucket, max_density, sc
     bin_size=st.sampled_from([1, 7, 32, 50, 500]),
     max_density=st.sampled_from([1.0, 0.25, 0.02]),
     scale=st.sampled_from(["tensor", "bin"]),
+    positions=st.sampled_from(["tensor", "bin"]),
     seed=st.integers(0, 2**31 - 1))
 def test_any_bucket_is_bit_identical_to_per_tensor_kernels(sizes, bin_size, max_density,
-                                                             scale, seed):
-  _check_bit_identical([(n,) for n in sizes], bin_size, max_density, scale, seed)
+                                                             scale, positions, seed):
+  _check_bit_identical([(n,) for n in sizes], bin_size, max_density, scale, seed,
+                       positions=positions)
 
 
 @pytest.mark.slow  # float64 decoding: also tests/ops/test_adacomp.py's float64 reference cases
@@ -155,13 +171,15 @@ def test_one_non_finite_tensor_keeps_its_residue_and_decodes_to_nan_alone(scale,
 # ------------------------------------------------------ 2. against the NumPy reference
 
 
-@pytest.mark.parametrize("scale", ["tensor", "bin"])
-def test_the_payload_matches_the_numpy_reference(scale):
+@pytest.mark.parametrize("scale,positions", [
+    ("tensor", "tensor"), ("bin", "tensor"), ("tensor", "bin"),
+    pytest.param("bin", "bin", marks=pytest.mark.slow)])
+def test_the_payload_matches_the_numpy_reference(scale, positions):
   rng = np.random.default_rng(5)
   shapes = [(30, 40), (40,), (40, 10), (10,)]
   grads, residues = _random(shapes, rng), _random(shapes, rng, scale=0.3)
-  payload, new = adacomp_bucket.compress(grads, residues, 50, 0.05, scale)
-  _check_reference(payload, new, grads, residues, 50, 0.05, scale)
+  payload, new = adacomp_bucket.compress(grads, residues, 50, 0.05, scale, positions)
+  _check_reference(payload, new, grads, residues, 50, 0.05, scale, positions)
 
 
 def test_tensor_nbytes_add_up_to_the_used_words():
@@ -171,17 +189,22 @@ def test_tensor_nbytes_add_up_to_the_used_words():
   shapes = [(30, 40), (40,), (40, 10), (10,)]
   sizes = [int(np.prod(s)) for s in shapes]
   grads, residues = _random(shapes, rng), _random(shapes, rng)
-  for scale in ("tensor", "bin"):
-    payload, _ = adacomp_bucket.compress(grads, residues, 50, 0.05, scale)
-    shares = adacomp_bucket.tensor_nbytes(payload, sizes, 50, 0.05, scale).numpy()
+  for scale, positions in (("tensor", "tensor"), ("bin", "tensor"), ("tensor", "bin")):
+    payload, _ = adacomp_bucket.compress(grads, residues, 50, 0.05, scale, positions)
+    shares = adacomp_bucket.tensor_nbytes(payload, sizes, 50, 0.05, scale,
+                                          positions).numpy()
     count = int(payload[0])
     # docs/wire_format.md#buckets: 4 * (4 + T + S + ceil(count * bits / 32)), S = T
-    # tensor scales or the bins' bfloat16 scales two per word; bits for the largest.
+    # tensor scales or the bins' bfloat16 scales two per word; bits for the largest;
+    # #positions-in-bins: bits for a bin, and ceil((bins + count) / 32) unary words.
     tensors = len(sizes)
-    scale_words = tensors if scale == "tensor" else -(-sum(
-        ref.bins_for(n, 50) for n in sizes) // 2)
-    assert shares.sum() == 4 * (4 + tensors + scale_words
-                                + -(-count * ref.code_bits(max(sizes)) // 32))
+    bins = sum(ref.bins_for(n, 50) for n in sizes)
+    scale_words = tensors if scale == "tensor" else -(-bins // 2)
+    if positions == "bin":
+      body = -(-count * ref.code_bits(50) // 32) + -(-(bins + count) // 32)
+    else:
+      body = -(-count * ref.code_bits(max(sizes)) // 32)
+    assert shares.sum() == 4 * (4 + tensors + scale_words + body)
     assert (shares > 0).all()
     # The used words are all that a receiver needs: the rest of the payload is zeros.
     assert not payload.numpy()[shares.sum() // 4:].any()
@@ -190,10 +213,11 @@ def test_tensor_nbytes_add_up_to_the_used_words():
 # -------------------------------------------------- 3. corrupt payloads and bad input
 
 
-def _bucket_payload():
+def _bucket_payload(positions="tensor"):
   rng = np.random.default_rng(7)
   shapes = [(300,), (40, 5)]
-  payload, _ = adacomp_bucket.compress(_random(shapes, rng), _random(shapes, rng), 50, 0.25)
+  payload, _ = adacomp_bucket.compress(_random(shapes, rng), _random(shapes, rng), 50, 0.25,
+                                       positions=positions)
   return payload.numpy(), shapes
 
 
@@ -233,6 +257,63 @@ def test_random_words_never_crash_and_never_write_outside_their_tensors(seed, ke
       np.testing.assert_allclose(got.numpy().reshape(-1), want, rtol=1e-5, atol=0)
 
 
+def _unary_start(payload):
+  """Stream bit where a positions="bin" payload of _bucket_payload's layout (two tensors,
+  tensor scales) has its unary counts."""
+  return 32 * (8 + -(-int(payload[0]) * ref.code_bits(50) // 32))
+
+
+@pytest.mark.parametrize("flip", ["a bin's closing zero", "a code's one", "past the end"])
+def test_unary_counts_that_do_not_hold_the_codes_decode_to_nan(flip):
+  payload, shapes = _bucket_payload("bin")
+  bins, count = 6 + 4, int(payload[0])
+  stream = np.unpackbits(payload.view(np.uint8), bitorder="little")
+  start = _unary_start(payload)
+  unary = stream[start:start + bins + count]
+  assert unary.sum() == count and unary[-1] == 0  # as the encoder wrote them
+  # Which stream bit to flip: the first 0 or 1 of the counts, or the bit after them
+  # (not read: the row still decodes).
+  bit = start + {"a bin's closing zero": int(np.argmin(unary)),
+                 "a code's one": int(np.argmax(unary)),
+                 "past the end": bins + count}[flip]
+  stream[bit] ^= 1
+  corrupt = np.packbits(stream, bitorder="little").view(np.int32)
+  decoded = adacomp_bucket.decompress(corrupt, shapes, tf.float32, 50, 0.25, positions="bin")
+  intact = adacomp_bucket.decompress(payload, shapes, tf.float32, 50, 0.25, positions="bin")
+  for got, want in zip(decoded, intact):
+    if flip == "past the end":
+      np.testing.assert_array_equal(got.numpy(), want.numpy())
+    else:
+      assert np.isnan(got.numpy()).all()
+
+
+@hypothesis.settings(max_examples=tiers.examples(20), deadline=None)
+@hypothesis.given(seed=st.integers(0, 2**31 - 1))
+def test_random_codes_in_bins_never_crash_and_decode_as_the_reference_reads_them(seed):
+  # The header and the counts are the encoder's; the codes' words are random: each
+  # tensor decodes to the codes the reference finds in its own bins, at offsets inside
+  # them, and nothing else.
+  payload, shapes = _bucket_payload("bin")
+  rng = np.random.default_rng(seed)
+  count, bits, sizes = int(payload[0]), ref.code_bits(50), [300, 200]
+  code_words = -(-count * bits // 32)
+  payload[8:8 + code_words] = rng.integers(-2**31, 2**31, code_words, dtype=np.int64)
+  decoded = adacomp_bucket.decompress(payload, shapes, tf.float32, 50, 0.25, positions="bin")
+  stream = np.unpackbits(payload[8:].view(np.uint8), bitorder="little")
+  code_bin = ref.unary_bins(stream[32 * code_words:], count, 6 + 4)
+  counts, scales = payload[4:6], payload[6:8].view(np.float32)
+  want = [np.zeros(n, np.float64) for n in sizes]
+  first_bin = [0, 6]
+  for j in range(count):
+    code = int((stream[j * bits:(j + 1) * bits].astype(np.int64) << np.arange(bits)).sum())
+    t = 0 if j < counts[0] else 1
+    pos = (code_bin[j] - first_bin[t]) * 50 + (code >> 1)
+    if code >> 1 < 50 and pos < sizes[t]:
+      want[t][pos] += -scales[t] if code & 1 else scales[t]
+  for got, w in zip(decoded, want):
+    np.testing.assert_allclose(got.numpy().reshape(-1), w, rtol=1e-5, atol=0)
+
+
 def test_bad_arguments_are_refused_naming_them():
   x = tf.zeros([10])
   with pytest.raises(ValueError, match="grads"):
@@ -247,6 +328,8 @@ def test_bad_arguments_are_refused_naming_them():
     adacomp_bucket.compress([x], [x], 0)
   with pytest.raises(ValueError, match="max_density"):
     adacomp_bucket.compress([x], [x], 5, max_density=2.0)
+  with pytest.raises(ValueError, match="positions='bins'"):
+    adacomp_bucket.compress([x], [x], 5, positions="bins")
   with pytest.raises(ValueError, match="payload"):
     adacomp_bucket.decompress(tf.zeros([3], tf.int32), [[10]], tf.float32, 5)
   with pytest.raises(ValueError, match="shapes"):

@@ -41,17 +41,27 @@ class AdaComp(base.Compressor):
       compressing each on its own (``ops.adacomp_bucket``); the payload's header holds
       each tensor's scale and count (docs/wire_format.md#buckets). False sends one
       payload per tensor.
+    positions: where a code's position is counted from. "bin" (the default with
+      ``fuse=True``): its offset in its bin (``index_bits(L_T)`` bits: 6 for L_T = 50,
+      9 for 500), each bin's count of codes in unary (a bit per code and one per bin);
+      "tensor": its index in its tensor (``index_bits(n)`` bits, 20 for a million
+      elements), the format before, and the only one of ``fuse=False``. The same values
+      either way; "bin" takes fewer bytes unless bins send fewer than about one code per
+      9-10 bins (docs/wire_format.md#positions-in-bins). None: "bin", or "tensor" with
+      ``fuse=False``.
 
   Raises:
     ValueError: a bin size < 1, a ``bin_sizes`` pattern that is not a string or not a
       valid regular expression, ``max_density`` outside (0, 1], ``min_size`` < 0,
-      ``scale`` not "tensor" or "bin", ``fuse`` not a bool.
+      ``scale`` not "tensor" or "bin", ``fuse`` not a bool, ``positions`` not "tensor"
+      or "bin", or ``positions="bin"`` with ``fuse=False``.
   """
 
   @_keywords.suggest_keywords
   def __init__(self, conv_bin_size: int = 50, dense_bin_size: int = 500,
                recurrent_bin_size: int = 500, bin_sizes=None, max_density: float = 0.25,
-               min_size: int = 0, scale: str = "tensor", fuse: bool = True):
+               min_size: int = 0, scale: str = "tensor", fuse: bool = True,
+               positions=None):
     super().__init__(min_size=min_size)
     self.conv_bin_size = checks.positive_int(conv_bin_size, "conv_bin_size")
     self.dense_bin_size = checks.positive_int(dense_bin_size, "dense_bin_size")
@@ -76,6 +86,13 @@ class AdaComp(base.Compressor):
     self.max_density = checks.fraction(max_density, "max_density")
     self.scale = adacomp_ops.check_scale(scale, bin_size=1)
     self.fuse = checks.boolean(fuse, "fuse")
+    default_positions = "bin" if self.fuse else "tensor"
+    self.positions = adacomp_ops.check_positions(
+        default_positions if positions is None else positions)
+    if self.positions == "bin" and not self.fuse:
+      raise ValueError("positions='bin' is a bucket format (fuse=True); AdaComp(fuse=False) "
+                       "sends positions in their tensors: pass positions='tensor'. "
+                       f"Received: positions={positions!r}, fuse={fuse!r}")
 
   def bin_size_for(self, name: str, kind: str) -> int:
     """L_T for a variable: a ``bin_sizes`` override, else its kind's default."""
@@ -143,7 +160,8 @@ class AdaComp(base.Compressor):
     if len({plan.bin_size for plan in plans}) != 1:
       raise ValueError(f"A bucket's tensors must share one bin size. Received: "
                        f"{[(plan.name, plan.bin_size) for plan in plans]}")
-    return dict(bin_size=plans[0].bin_size, max_density=self.max_density, scale=self.scale)
+    return dict(bin_size=plans[0].bin_size, max_density=self.max_density, scale=self.scale,
+                positions=self.positions)
 
   def get_config(self):
     return {**super().get_config(), "conv_bin_size": self.conv_bin_size,
@@ -156,6 +174,8 @@ class AdaComp(base.Compressor):
     config = {} if self.scale == "tensor" else {"scale": self.scale}
     if not self.fuse:
       config["fuse"] = False
+    if self.positions != ("bin" if self.fuse else "tensor"):
+      config["positions"] = self.positions
     return config
 
 

@@ -24,6 +24,7 @@ from tf_adacomp.ops import compiled
 # and users take them from this module.
 from tf_adacomp.ops.adacomp_core import SCALES  # pylint: disable=unused-import
 from tf_adacomp.ops.adacomp_core import capacity
+from tf_adacomp.ops.adacomp_core import check_positions  # pylint: disable=unused-import
 from tf_adacomp.ops.adacomp_core import check_scale
 from tf_adacomp.ops.adacomp_core import index_bits
 from tf_adacomp.ops.adacomp_core import num_bins

@@ -21,6 +21,11 @@ Wire format (docs/wire_format.md#buckets), int32 words::
      packed codes...]                  (position in its tensor << 1 | (G < 0), bits each:
                                         the largest tensor's index bits + 1; tensor by
                                         tensor, count_t codes each, positions increasing)
+
+With ``positions="bin"`` (``| BIN_POSITIONS_FLAG``) a code carries its offset in its bin
+(``index_bits(L_T) + 1`` bits) and the bins' counts follow the codes in unary, from the
+word after the last code: for every bin of every tensor in order, one 1 per code sent
+from it and a closing 0 (docs/wire_format.md#positions-in-bins).
 """
 
 import math
@@ -29,11 +34,11 @@ import tensorflow as tf
 
 from tf_adacomp.ops import adacomp
 from tf_adacomp.ops import adacomp_core
-from tf_adacomp.ops import bitpack
 from tf_adacomp.ops import checks
 from tf_adacomp.ops import compiled
 
 BUCKET_FLAG = 1 << 9  # or-ed into the bits word of a bucket payload
+BIN_POSITIONS_FLAG = 1 << 10  # and for positions="bin": offsets in bins, unary counts
 HEADER_WORDS = 4
 
 
@@ -53,14 +58,15 @@ class Layout(adacomp_core.Layout):
   @property
   def width(self) -> int:
     """Static length of one payload, in int32 words."""
-    return self.header_words + bitpack.packed_words(self.cap, self.bits)
+    return self.header_words + self.body_words
 
   @property
   def flags(self) -> int:
-    return self.bits | BUCKET_FLAG | (adacomp.BIN_SCALE_FLAG if self.scale == "bin" else 0)
+    return (self.bits | BUCKET_FLAG | (adacomp.BIN_SCALE_FLAG if self.scale == "bin" else 0)
+            | (BIN_POSITIONS_FLAG if self.positions == "bin" else 0))
 
 
-def layout(sizes, bin_size, max_density=1.0, scale="tensor") -> Layout:
+def layout(sizes, bin_size, max_density=1.0, scale="tensor", positions="tensor") -> Layout:
   """A checked bucket ``Layout``.
 
   Args:
@@ -69,6 +75,8 @@ def layout(sizes, bin_size, max_density=1.0, scale="tensor") -> Layout:
     max_density: fraction in (0, 1]: each tensor's capacity, as a fraction of its
       elements.
     scale: "tensor" or "bin".
+    positions: "tensor" (a code carries its position in its tensor) or "bin" (its offset
+      in its bin, the bins' counts in unary after the codes).
 
   Returns:
     The ``Layout``.
@@ -86,7 +94,8 @@ def layout(sizes, bin_size, max_density=1.0, scale="tensor") -> Layout:
   max_density = checks.fraction(max_density, "max_density")
   sizes = tuple(int(n) for n in sizes)
   result = Layout(sizes, bin_size, tuple(adacomp_core.capacity(n, max_density) for n in sizes),
-                  adacomp_core.check_scale(scale, bin_size))
+                  adacomp_core.check_scale(scale, bin_size),
+                  adacomp_core.check_positions(positions))
   if result.total > checks.MAX_ELEMENTS:
     raise ValueError(f"A bucket holds at most {checks.MAX_ELEMENTS} positions with its "
                      f"padding. Received: sizes={sizes!r} ({result.total} padded)")
@@ -129,7 +138,9 @@ def _decompress(payload, lay: Layout, shapes, dtype):
            | (count < 0) | (count > lay.cap)
            | tf.reduce_any(counts > tf.constant(lay.caps, tf.int32))
            | (tf.reduce_sum(tf.maximum(counts, 0)) != count))
-    return adacomp_core.Row(count, counts, scales, tf.bitcast(row[lay.header_words:], tf.uint32),
+    codes = tf.bitcast(row[lay.header_words:], tf.uint32)
+    bad |= adacomp_core.unary_mismatch(codes, count, lay)
+    return adacomp_core.Row(count, counts, scales, codes,
                             bad, [x | (counts[t] < 0) for t, x in enumerate(bad_scale)])
 
   return adacomp_core.decode(payload, lay, shapes, dtype, read_row)
@@ -138,20 +149,23 @@ def _decompress(payload, lay: Layout, shapes, dtype):
 def _tensor_nbytes(payload, lay: Layout):
   rows = tf.cast(payload if payload.shape.rank == 2 else payload[None], tf.int64)
   count = rows[:, 0]
-  nbytes = 4 * (lay.header_words + (count * lay.bits + 31) // 32)
-  # Each tensor's share: its count word, its scales and its codes; what is left (the
-  # fixed header, rounding) goes to the first tensor, so that the shares add up.
+  nbytes = 4 * (lay.header_words + adacomp_core.body_used_words(count, lay))
+  # Each tensor's share: its count word, its scales and its codes (and its bins' unary
+  # counts); what is left (the fixed header, rounding) goes to the first tensor, so that
+  # the shares add up.
   counts = tf.maximum(rows[:, HEADER_WORDS:HEADER_WORDS + len(lay.sizes)], 0)
   own_scales = ([4] * len(lay.sizes) if lay.scale == "tensor"
                 else [2 * bins for bins in lay.bins])
   shares = 4 + tf.constant(own_scales, tf.int64) + counts * lay.bits // 8
+  if lay.positions == "bin":
+    shares += (tf.constant(lay.bins, tf.int64) + counts) // 8
   shares += tf.one_hot(0, len(lay.sizes), dtype=tf.int64) * (
       nbytes - tf.reduce_sum(shares, axis=1))[:, None]
   return shares if payload.shape.rank == 2 else shares[0]
 
 
 def compress(grads, residues, bin_size: int, max_density: float = 1.0,
-             scale: str = "tensor"):
+             scale: str = "tensor", positions: str = "tensor"):
   """Compresses a bucket of gradients with AdaComp, in one XLA call and one payload.
 
   Bit-identical, tensor by tensor, to ``ops.adacomp_compress`` of each gradient with its
@@ -163,6 +177,9 @@ def compress(grads, residues, bin_size: int, max_density: float = 1.0,
     bin_size: int >= 1, the bin length L_T of every tensor of the bucket.
     max_density: fraction in (0, 1]: each tensor's payload capacity.
     scale: "tensor" (one scale per tensor) or "bin" (one bfloat16 scale per bin).
+    positions: "tensor" (a code carries its position in its tensor) or "bin" (its offset
+      in its bin, the bins' counts in unary: fewer bytes, the same values;
+      docs/wire_format.md#positions-in-bins).
 
   Returns:
     ``(payload, new_residues)``: a 1-D int32 payload of static length
@@ -173,15 +190,17 @@ def compress(grads, residues, bin_size: int, max_density: float = 1.0,
   Raises:
     TypeError: a gradient or residue is not a float tensor.
     ValueError: empty or mismatched lists, shapes that differ or are not static, mixed
-      dtypes, ``bin_size`` < 1, ``max_density`` outside (0, 1], an unknown ``scale``.
+      dtypes, ``bin_size`` < 1, ``max_density`` outside (0, 1], an unknown ``scale`` or
+      ``positions``.
   """
   grads, residues = _checked_lists(grads, residues)
-  lay = layout([g.shape.num_elements() for g in grads], bin_size, max_density, scale)
+  lay = layout([g.shape.num_elements() for g in grads], bin_size, max_density, scale,
+               positions)
   return compiled.kernel(_compress, lay=lay)(grads, residues)
 
 
 def decompress(payload, shapes, dtype=tf.float32, bin_size: int = 1,
-               max_density: float = 1.0, scale: str = "tensor"):
+               max_density: float = 1.0, scale: str = "tensor", positions: str = "tensor"):
   """Decodes bucket payloads into one dense tensor per gradient.
 
   Args:
@@ -189,13 +208,14 @@ def decompress(payload, shapes, dtype=tf.float32, bin_size: int = 1,
       to ``layout(...).width``).
     shapes: the static shape of every gradient of the bucket, in order.
     dtype: float dtype of the results.
-    bin_size, max_density, scale: as given to ``compress``.
+    bin_size, max_density, scale, positions: as given to ``compress``.
 
   Returns:
     A list of dense tensors: the sum over rows of each gradient's ternary values, added
     in row order. A tensor is NaN if a row marks it non-finite (its count -1) or carries
     a non-finite scale for it; all are NaN if a row does not match the layout (its
-    flags, counts or capacity).
+    flags, counts or capacity, or with ``positions="bin"`` unary counts that do not
+    hold its codes).
 
   Raises:
     TypeError: ``payload`` is not int32 or ``dtype`` not a float type.
@@ -206,7 +226,7 @@ def decompress(payload, shapes, dtype=tf.float32, bin_size: int = 1,
     raise ValueError(f"`shapes` must be a non-empty list of shapes. Received: shapes={shapes!r}")
   shapes = tuple(tuple(checks.static_shape(s, "shapes").as_list()) for s in shapes)
   dtype = checks.float_dtype(dtype, "dtype")
-  lay = layout([math.prod(s) for s in shapes], bin_size, max_density, scale)
+  lay = layout([math.prod(s) for s in shapes], bin_size, max_density, scale, positions)
   if int(payload.shape[-1]) != lay.width:
     raise ValueError(f"`payload` must have {lay.width} words for this bucket. "
                      f"Received: payload with shape {payload.shape}")
@@ -214,21 +234,22 @@ def decompress(payload, shapes, dtype=tf.float32, bin_size: int = 1,
 
 
 def tensor_nbytes(payload, sizes, bin_size: int, max_density: float = 1.0,
-                  scale: str = "tensor"):
+                  scale: str = "tensor", positions: str = "tensor"):
   """Bytes each tensor of a bucket payload occupies on the wire; they sum to the
-  payload's used bytes (``4 * (header words + ceil(count * bits / 32))``).
+  payload's used bytes (``4 * (header words + ceil(count * bits / 32))``, with
+  ``positions="bin"`` plus ``4 * ceil((bins + count) / 32)``).
 
   Args:
     payload: int32 ``[words]`` or ``[replicas, words]`` bucket payload.
     sizes: elements of each tensor of the bucket.
-    bin_size, max_density, scale: as given to ``compress``.
+    bin_size, max_density, scale, positions: as given to ``compress``.
 
   Returns:
     int64 ``[tensors]`` (``[replicas, tensors]`` for gathered rows).
   """
   payload = checks.payload_tensor(payload)
   return compiled.kernel(_tensor_nbytes, lay=layout(list(sizes), bin_size, max_density,
-                                                     scale))(payload)
+                                                     scale, positions))(payload)
 
 
 def _checked_lists(grads, residues):

@@ -43,6 +43,10 @@ from tf_adacomp.ops import compaction
 from tf_adacomp.ops import variant
 
 SCALES = ("tensor", "bin")
+# What a code's position is relative to: its tensor (a position of index_bits(n) bits),
+# or its bin (an offset of index_bits(L_T) bits, the bins' counts sent in unary beside
+# the codes; docs/wire_format.md#positions-in-bins).
+POSITIONS = ("tensor", "bin")
 # Smaller encoder tiers, as fractions 1/d of the positions (see _packed_codes).
 SLOT_TIERS = (128, 16)
 # The GPU form encodes every slot of the capacity up to this many; past it, the tiers'
@@ -69,6 +73,17 @@ def capacity(num_elements: int, max_density: float) -> int:
 def num_bins(num_elements: int, bin_size: int) -> int:
   """Bins of ``bin_size`` elements (the last may be short) in a tensor."""
   return -(-num_elements // bin_size)
+
+
+def check_positions(positions) -> str:
+  """Returns ``positions`` if it is one of ``POSITIONS``.
+
+  Raises:
+    ValueError: ``positions`` is not one of ``POSITIONS``.
+  """
+  if not isinstance(positions, str) or positions not in POSITIONS:
+    raise ValueError(f"`positions` must be one of {POSITIONS}. Received: positions={positions!r}")
+  return positions
 
 
 def check_scale(scale, bin_size=None) -> str:
@@ -106,11 +121,14 @@ class Layout:
     bin_size: L_T, shared by the tensors.
     caps: codes each tensor may send at most (its payload capacity).
     scale: "tensor" or "bin".
+    positions: "tensor" (a code carries its position in its tensor) or "bin" (its offset
+      in its bin; the bins' counts travel in unary after the codes).
   """
   sizes: Tuple[int, ...]
   bin_size: int
   caps: Tuple[int, ...]
   scale: str = "tensor"
+  positions: str = "tensor"
 
   @functools.cached_property
   def blocks(self) -> Tuple[int, ...]:
@@ -129,8 +147,22 @@ class Layout:
 
   @property
   def bits(self) -> int:
-    """Code width: a position within its tensor (of the largest tensor) and a sign."""
+    """Code width: a position within its tensor (of the largest tensor), or with
+    ``positions="bin"`` an offset within its bin, and a sign."""
+    if self.positions == "bin":
+      return index_bits(min(self.bin_size, max(self.sizes))) + 1
     return index_bits(max(self.sizes)) + 1
+
+  @property
+  def unary_bits(self) -> int:
+    """``positions="bin"``: the most bits the bins' unary counts take (a one per code and
+    a zero closing each bin); 0 otherwise."""
+    return sum(self.bins) + self.cap if self.positions == "bin" else 0
+
+  @property
+  def body_words(self) -> int:
+    """Static words of the codes and, with ``positions="bin"``, the unary counts."""
+    return bitpack.packed_words(self.cap, self.bits) + -(-self.unary_bits // 32)
 
   @property
   def cap(self) -> int:
@@ -161,9 +193,11 @@ class Compressed(NamedTuple):
       and kept its residue).
     scales: one per tensor, what goes on the wire for its scale: the float32 tensor scale
       (NaN when not finite), or with ``scale="bin"`` its bins' bfloat16 scales.
-    codes: int32 words, the bit-packed codes (``position in its tensor << 1 | (G < 0)``,
-      ``Layout.bits`` each, tensor by tensor, positions increasing), room for
-      ``Layout.cap`` codes; zeros after the sent ones.
+    codes: int32 words (``Layout.body_words``), the bit-packed codes (``position in its
+      tensor << 1 | (G < 0)``, or with ``positions="bin"`` ``offset in its bin << 1 |
+      (G < 0)``, ``Layout.bits`` each, tensor by tensor, positions increasing); with
+      ``positions="bin"`` the unary counts follow from the word after the last code
+      (``body_used_words``); zeros after.
     residues: the new residue of each tensor, of its residue's dtype and shape.
   """
   count: tf.Tensor
@@ -212,7 +246,12 @@ def compress(grads: Sequence[tf.Tensor], residues: Sequence[tf.Tensor],
     def index_of(positions):  # a code carries the position within its own tensor
       return positions - tf.gather(offsets, _tensor_of(positions, lay))
 
+  if lay.positions == "bin":
+    in_tensor = index_of or (lambda positions: positions)
+    index_of = lambda positions: in_tensor(positions) % lay.bin_size  # pylint: disable=g-long-lambda
   codes = _packed_codes(words, signs, lay.cap, count, lay.bits, index_of)
+  if lay.positions == "bin":
+    codes = _joined(codes, _unary_counts(words, count, lay), count, lay)
   return Compressed(count, counts, [p.finite for p in parts], [p.wire_scale for p in parts],
                     codes, [p.new_residue(words[start:end])
                             for p, (start, end) in zip(parts, spans)])
@@ -308,6 +347,58 @@ def _kept_words(words, lay: Layout):
       words, tf.maximum(_per_word(lay.caps, lay) - own_offsets, 0))
 
 
+def _unary_counts(words, count, lay: Layout):
+  """int32 words of the bins' sent counts in unary, every bin of every tensor in order:
+  ``c_b`` ones then a zero for bin ``b``, ``sum(bins) + count`` bits in all."""
+  sent = tf.cast(tf.reshape(compaction.unpack_mask(words), [-1]), tf.int32)
+  per_bin = []
+  for n, o, bins in zip(lay.sizes, lay.offsets, lay.bins):
+    if bins:
+      own = tf.pad(sent[o:o + n], [[0, bins * lay.bin_size - n]])
+      per_bin.append(tf.reduce_sum(tf.reshape(own, [bins, lay.bin_size]), 1))
+  nwords = -(-lay.unary_bits // 32)
+  if not per_bin:
+    return tf.zeros([nwords], tf.int32)
+  bins = sum(lay.bins)
+  # Bin b's closing zero comes after the ones of bins 0..b and the zeros of bins 0..b-1.
+  stops = compaction.cumsum(tf.concat(per_bin, 0)) + tf.range(bins, dtype=tf.int32)
+  # Distinct bits: their sum within a word is their bitwise or (int32 wraps bit 31).
+  stop_words = tf.scatter_nd(stops[:, None] // 32,
+                             tf.bitwise.left_shift(tf.ones([bins], tf.int32), stops % 32),
+                             [nwords])
+  return tf.bitwise.bitwise_xor(_low_bits_set(bins + count, nwords), stop_words)
+
+
+def _low_bits_set(length, nwords: int):
+  """int32 words whose first ``length`` stream bits are ones and the rest zeros."""
+  room = tf.clip_by_value(length - 32 * tf.range(nwords, dtype=tf.int32), 0, 32)
+  part = tf.bitwise.left_shift(tf.ones([nwords], tf.int32), tf.minimum(room, 31)) - 1
+  return tf.where(room >= 32, tf.fill([nwords], tf.constant(-1, tf.int32)), part)
+
+
+def body_used_words(count, lay: Layout):
+  """Words of a body that carry its ``count`` codes (and, with ``positions="bin"``, the
+  unary counts after them): what must be sent."""
+  count = tf.cast(count, tf.int64)
+  used = (count * lay.bits + 31) // 32
+  if lay.positions == "bin":
+    used += (sum(lay.bins) + count + 31) // 32
+  return used
+
+
+def _joined(codes, unary, count, lay: Layout):
+  """The codes' words, then the unary counts from the word after the last used code."""
+  if not int(unary.shape[0]):
+    return codes
+  code_words = int(codes.shape[0])
+  start = (count * lay.bits + 31) // 32
+  k = tf.range(code_words + int(unary.shape[0]), dtype=tf.int32)
+  padded_codes = tf.pad(codes, [[0, int(unary.shape[0])]])
+  from_unary = tf.gather(unary, tf.clip_by_value(k - start, 0, max(int(unary.shape[0]) - 1, 0)))
+  inside = (k >= start) & (k - start < int(unary.shape[0]))
+  return tf.where(k < start, padded_codes, tf.where(inside, from_unary, tf.zeros_like(k)))
+
+
 def _tensor_of(positions, lay: Layout):
   """Which tensor each buffer position lies in: one comparison per tensor boundary."""
   return tf.reduce_sum(tf.cast(positions[:, None] >= tf.constant(lay.offsets[1:], tf.int32),
@@ -326,19 +417,20 @@ def _packed_codes(words, signs, cap: int, count, bits: int, index_of=None):
   the position within its own); by default they are the same.
 
   The GPU form (``ops.variant``) has no conditional up to ``GPU_FULL_ENCODE_MAX_SLOTS``
-  slots: it encodes every slot and zeroes those past the tier, which gives the same words.
+  slots: it encodes every slot; the slots past ``count`` are zeros in every form, so the
+  words are the same.
   """
   full_words = bitpack.packed_words(cap, bits)
 
-  def encode(slots, kept=None):
+  def encode(slots):
     positions, _, _ = compaction.select_positions(words, slots)
     negative = tf.bitwise.bitwise_and(
         tf.bitwise.right_shift(tf.gather(signs, positions // compaction.WORD_BITS),
                                tf.cast(positions % compaction.WORD_BITS, tf.uint32)), 1)
     index = positions if index_of is None else index_of(positions)
     codes = tf.bitwise.bitwise_or(tf.bitwise.left_shift(tf.cast(index, tf.uint32), 1), negative)
-    if kept is not None:  # the slots of a smaller tier, and zeros after them
-      codes = tf.where(tf.range(slots) < kept, codes, tf.zeros_like(codes))
+    # Zeros after the sent codes: the slots past them would read position 0's sign.
+    codes = tf.where(tf.range(slots) < count, codes, tf.zeros_like(codes))
     packed = tf.bitcast(bitpack.pack(codes, bits), tf.int32)
     return tf.pad(tf.reshape(packed, [-1]), [[0, full_words - int(packed.shape[0])]])
 
@@ -347,8 +439,7 @@ def _packed_codes(words, signs, cap: int, count, bits: int, index_of=None):
   n = int(words.shape[0]) * compaction.WORD_BITS
   tiers = sorted({min(cap, -(-n // d)) for d in SLOT_TIERS} | {cap})
   if variant.gpu_form(words) and cap <= GPU_FULL_ENCODE_MAX_SLOTS:
-    tier_sizes = tf.constant(tiers, tf.int32)
-    return encode(cap, kept=tf.reduce_min(tf.where(count <= tier_sizes, tier_sizes, cap)))
+    return encode(cap)
 
   def smallest_tier_from(i):
     if i == len(tiers) - 1:
@@ -473,13 +564,18 @@ def add_codes(total, words, count, counts, scales, lay: Layout):
   # (shifted back), not cut.
   padded = tf.pad(words, [[0, max(iterations * chunk_words - int(words.shape[0]), 0)]])
   steps = (tf.clip_by_value(count, 0, cap) + chunk - 1) // chunk
+  code_bins = _code_bins(words, count, lay) if lay.positions == "bin" else None
 
   def add(i, total, chunks=1):  # chunks i, ..., i + chunks - 1
     codes = bitpack.unpack(tf.slice(padded, [i * chunk_words], [chunks * chunk_words]),
                            chunks * chunk, bits)
     local = tf.cast(tf.bitwise.right_shift(codes, 1), tf.int32)
     ordinals = i * chunk + tf.range(chunks * chunk, dtype=tf.int32)
+    if code_bins is not None:  # local is the offset in the code's bin
+      local, in_bin = _from_bin(local, tf.gather(code_bins, tf.minimum(ordinals, cap - 1)), lay)
     tensor, inside = _locate(ordinals, local, counts, lay)
+    if code_bins is not None:
+      inside &= in_bin == tensor
     # min(count, cap): a corrupt count above the capacity must not turn the padding
     # after it into codes.
     valid = (ordinals < tf.minimum(count, cap)) & inside
@@ -499,6 +595,63 @@ def add_codes(total, words, count, counts, scales, lay: Layout):
   _, total = tf.while_loop(lambda i, _: i < steps, add, (tf.constant(0), total),
                            maximum_iterations=iterations)
   return total
+
+
+def _unary_words(words, count, lay: Layout):
+  """The unary counts of a ``positions="bin"`` body (uint32 ``words``), read from the
+  word after its last code."""
+  nwords = -(-lay.unary_bits // 32)
+  start = (tf.clip_by_value(count, 0, lay.cap) * lay.bits + 31) // 32
+  room = bitpack.packed_words(lay.cap, lay.bits) + nwords - int(words.shape[0])
+  padded = tf.pad(words, [[0, max(room, 0)]])
+  return tf.slice(padded, [start], [nwords])
+
+
+def unary_mismatch(words, count, lay: Layout):
+  """bool: a ``positions="bin"`` body whose unary counts do not hold exactly ``count``
+  ones and ``sum(bins)`` zeros in their first ``sum(bins) + count`` bits (a corrupt row).
+  False for ``positions="tensor"``."""
+  if lay.positions != "bin" or not lay.unary_bits:
+    return tf.constant(False)
+  unary = _unary_words(words, count, lay)
+  nwords = int(unary.shape[0])
+  used = tf.bitcast(_low_bits_set(sum(lay.bins) + tf.clip_by_value(count, 0, lay.cap), nwords),
+                    tf.uint32)
+  return tf.reduce_sum(compaction.popcount(tf.bitwise.bitwise_and(unary, used))) != count
+
+
+def _code_bins(words, count, lay: Layout):
+  """int32 ``[cap]``: the bin (among all the tensors' bins) of each code of a
+  ``positions="bin"`` body: the j-th one of the unary counts at stream bit p is in bin
+  ``p - j``. Only the smallest tier of slots that holds ``count`` is selected."""
+  unary = _unary_words(words, count, lay)
+  cap = lay.cap
+
+  def bins_of(slots):
+    positions, _, _ = compaction.select_positions(unary, slots)
+    return tf.pad(positions - tf.range(slots, dtype=tf.int32), [[0, cap - slots]])
+
+  tiers = sorted({min(cap, -(-lay.total // d)) for d in SLOT_TIERS} | {cap})
+  if variant.gpu_form(words):
+    return bins_of(cap)
+
+  def smallest_tier_from(i):
+    if i == len(tiers) - 1:
+      return bins_of(tiers[i])
+    return tf.cond(count <= tiers[i], lambda: bins_of(tiers[i]),
+                   lambda: smallest_tier_from(i + 1))
+
+  return smallest_tier_from(0)
+
+
+def _from_bin(offset, code_bin, lay: Layout):
+  """Positions within their tensors of codes that carry an ``offset`` in bin
+  ``code_bin``, and the tensor each bin belongs to (-1 for an offset outside a bin or a
+  negative bin: only a corrupt row has them)."""
+  bin_offsets = tf.constant(lay.bin_offsets, tf.int32)
+  tensor = tf.reduce_sum(tf.cast(code_bin[:, None] >= bin_offsets[None, 1:], tf.int32), 1)
+  local = (code_bin - tf.gather(bin_offsets, tensor)) * lay.bin_size + offset
+  return local, tf.where((offset < lay.bin_size) & (code_bin >= 0), tensor, -1)
 
 
 def _locate(ordinals, local, counts, lay: Layout):
