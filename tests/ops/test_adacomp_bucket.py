@@ -3,6 +3,8 @@ call and one payload, bit-identical to the per-tensor kernels, and checked again
 independent NumPy reference (numpy_reference.py: the per-tensor algorithm and its own
 bucket unpacker written from docs/wire_format.md#buckets)."""
 
+import os
+
 import hypothesis
 from hypothesis import strategies as st
 import numpy as np
@@ -312,6 +314,36 @@ def test_random_codes_in_bins_never_crash_and_decode_as_the_reference_reads_them
       want[t][pos] += -scales[t] if code & 1 else scales[t]
   for got, w in zip(decoded, want):
     np.testing.assert_allclose(got.numpy().reshape(-1), w, rtol=1e-5, atol=0)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="counts Linux mappings")
+def test_a_payload_of_a_new_count_decodes_without_compiling_again():
+  # XLA takes some ops' operands (tf.slice's start) as compile-time constants: one that
+  # followed the count compiled a program per count, whose memory mappings XLA:CPU keeps
+  # until the process ends (tests/conftest.py), and ResNet-20 training crashed at the
+  # mapping limit after a few hundred steps.
+  shapes = [(3, 3, 8, 16), (300,)]
+  rng = np.random.default_rng(11)
+  payloads = []
+  for scale in np.geomspace(1e-3, 1.0, 14):  # new counts, mostly in the smallest tier
+    grads = _random(shapes, rng, scale=1.0)
+    residues = _random(shapes, rng, scale=float(scale))
+    payloads.append(adacomp_bucket.compress(grads, residues, 50, 0.25, positions="bin")[0])
+  assert len({int(p[0]) for p in payloads}) >= 10
+
+  def decode(payload):
+    return adacomp_bucket.decompress(tf.stack([payload] * 2), shapes, tf.float32, 50, 0.25,
+                                     positions="bin")[0].numpy()
+
+  for payload in payloads[:2]:
+    decode(payload)
+  with open("/proc/self/maps") as f:
+    before = sum(1 for _ in f)
+  for payload in payloads[2:]:
+    decode(payload)
+  with open("/proc/self/maps") as f:
+    after = sum(1 for _ in f)
+  assert after - before < 40, (before, after)
 
 
 def test_bad_arguments_are_refused_naming_them():

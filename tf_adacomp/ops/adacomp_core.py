@@ -604,7 +604,9 @@ def _unary_words(words, count, lay: Layout):
   start = (tf.clip_by_value(count, 0, lay.cap) * lay.bits + 31) // 32
   room = bitpack.packed_words(lay.cap, lay.bits) + nwords - int(words.shape[0])
   padded = tf.pad(words, [[0, max(room, 0)]])
-  return tf.slice(padded, [start], [nwords])
+  # A gather, not tf.slice: XLA takes a slice's start as a compile-time constant, and a
+  # start that follows the count would compile a new program for every count.
+  return tf.gather(padded, start + tf.range(nwords, dtype=start.dtype))
 
 
 def unary_mismatch(words, count, lay: Layout):
