@@ -26,6 +26,8 @@ updates compressed), ``adacomp+updates+masking`` (and ``momentum_masking=True``)
 first); for Adam and AdamW, the second moment: ``adacomp+updates+local`` (each
 replica's own), ``+shared`` (the replicas' mean), ``+global`` (estimated for the global
 batch), ``+global64`` (averaged every 64 steps once the doubling interval reaches 64),
+``+global0`` (``second_moment_interval=0``: never averaged, each replica divides by its
+own estimate of the global batch's second moment),
 ``+global+after`` (``precondition="after"``), and ``none+updates+...`` the same without
 compression. Local steps: ``adacomp+updates+H8`` (``local_steps=8``; H from 2 to 64),
 ``+nesterov`` (DiLoCo's outer step), and for Adam inside ``+global`` (each replica's
@@ -126,6 +128,11 @@ VARIANTS = {
                                                  "second_moment": "global",
                                                  "second_moment_interval": 64}),
     "none+updates+global": ("none", {}, {"exchange": "updates", "second_moment": "global"}),
+    # "global0": second_moment_interval=0, each replica its own estimate, nothing averaged.
+    "adacomp+updates+global0": ("adacomp", {}, {"exchange": "updates", "second_moment": "global",
+                                                "second_moment_interval": 0}),
+    "none+updates+global0": ("none", {}, {"exchange": "updates", "second_moment": "global",
+                                          "second_moment_interval": 0}),
     "none+updates+local": ("none", {}, {"exchange": "updates", "second_moment": "local"}),
     "none+updates+shared": ("none", {}, {"exchange": "updates", "second_moment": "shared"}),
 }

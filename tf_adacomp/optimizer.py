@@ -112,7 +112,10 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
       compression).
     second_moment_interval: None (default) or an int >= 1, with a shared
       ``second_moment``: the longest number of steps between averages of the second
-      moment (steps 1, 2, 4, ... below it). None lets the interval keep doubling.
+      moment (steps 1, 2, 4, ... below it). None lets the interval keep doubling. 0,
+      with "global": never averaged; each replica divides by its own estimate of the
+      global batch's second moment at every step, as inside local steps (no moment
+      bytes; docs/convergence.md measures it against the averages).
     local_steps: int >= 1, default 1; with ``exchange="updates"``, the steps of a round
       (``steps.local_rounds``, ``tf_adacomp.local_steps``): each replica takes them on
       its own data from the round's anchor, and only the round's last step exchanges its
@@ -239,7 +242,8 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
         "CompressedOptimizer", lambda: int(self.iterations.numpy()) >= first_exchange)
     self._compile_log.start()
     self._scaling_watch = wrapper_stats.watch_scaling(self)
-    if self.second_moment == "global" and self.local_steps > 1:
+    if shared_adam.estimates_own_moment(self.second_moment, self.second_moment_interval,
+                                        self.local_steps):
       # Each replica's moment of its squared first moment (steps.estimated_adam).
       self.momentum_squares = make.like(var_list, "momentum_square")
     elif self.second_moment in ("shared", "global"):
@@ -280,7 +284,8 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
                             on_traced=self._compile_log.traced,
                             choice=None if whole_step else self._choice)
     inner = inner_lib.KerasInner(self.inner_optimizer, self.local_clipnorm)
-    if self.local_steps > 1 and self.second_moment == "global":
+    if shared_adam.estimates_own_moment(self.second_moment, self.second_moment_interval,
+                                        self.local_steps):
       inner = estimated_adam.EstimatedGlobalAdam(
           self.inner_optimizer, self.local_clipnorm, self.momentum_squares,
           self._trainable_variables, self._distribution_strategy.num_replicas_in_sync)

@@ -1,6 +1,7 @@
-"""Adam inside local steps with each replica's estimate of the global batch's second
-moment (tf_adacomp/steps/estimated_adam.py: ``local_steps`` > 1, ``second_moment=
-"global"``), against a NumPy replay of its docstring's algorithm."""
+"""Adam with each replica's estimate of the global batch's second moment
+(tf_adacomp/steps/estimated_adam.py: ``second_moment="global"`` inside local steps, or
+with ``second_moment_interval=0`` at every step), against a NumPy replay of its
+docstring's algorithm."""
 
 import math
 
@@ -85,6 +86,27 @@ def test_each_replica_divides_by_its_own_estimate_of_the_global_moment():
   assert optimizer.moment_bytes() == [0] * len(start)
 
 
+def test_every_step_with_interval_zero_applies_the_mean_of_the_estimated_steps():
+  # second_moment_interval=0: every step each replica divides by its own estimate and the
+  # replicas' steps are averaged, a round of one step; nothing else is averaged.
+  replicas, steps = 3, 3
+  make = lambda: tf_adacomp.CompressedOptimizer(  # noqa: E731
+      keras.optimizers.AdamW(weight_decay=WEIGHT_DECAY, **ADAM), "none",
+      second_moment="global", second_moment_interval=0, dense_when_faster=False)
+  start, model, strategy = fit(make, replicas, steps)
+  expected, m, v, w = replay(start, replicas, steps, local_steps=1)
+  for k, copies in enumerate(replica_weights(model, strategy)):
+    for copy in copies:  # equal on every replica
+      np.testing.assert_allclose(copy, expected[0][k], rtol=1e-5, atol=1e-6)
+  optimizer = model.optimizer
+  for k in range(len(start)):
+    for r in range(replicas):
+      np.testing.assert_allclose(replica_values(optimizer.momentum_squares[k], strategy)[r],
+                                 w[r][k], rtol=1e-4, atol=1e-9)
+  assert not hasattr(optimizer, "shared_velocities")
+  assert optimizer.moment_bytes() == [0] * len(start)
+
+
 def test_one_replica_is_keras_adamw():
   x, y = data(1, 5)
   results = []
@@ -124,8 +146,15 @@ def test_one_replica_on_an_embedding_is_keras_adam():
     # Nothing is averaged, and each replica divides its own steps.
     ({"second_moment_interval": 8}, r"second_moment_interval=8, local_steps=2"),
     ({"precondition": "after"}, r"precondition='after', local_steps=2"),
+    # Every step: 0 (nothing averaged) is for "global" alone, without "after".
+    ({"local_steps": 1, "second_moment": "shared", "second_moment_interval": 0},
+     r"second_moment_interval=0, second_moment='shared'"),
+    ({"local_steps": 1, "second_moment_interval": 0, "precondition": "after"},
+     r"precondition='after', second_moment_interval=0"),
+    ({"local_steps": 1, "second_moment_interval": -1}, r"second_moment_interval=-1"),
 ])
 def test_bad_arguments_name_themselves(kwargs, match):
-  kwargs = {"inner_optimizer": keras.optimizers.Adam(), "second_moment": "global", **kwargs}
+  kwargs = {"inner_optimizer": keras.optimizers.Adam(), "second_moment": "global",
+            "local_steps": 2, **kwargs}
   with pytest.raises(ValueError, match=match):
-    tf_adacomp.CompressedOptimizer(local_steps=2, **kwargs)
+    tf_adacomp.CompressedOptimizer(**kwargs)

@@ -103,7 +103,9 @@ def resolve(wrapper_init, inner_optimizer, compressor, start_step, reduction, ad
       second_moment=second_moment,
       second_moment_interval=shared_adam.check_interval(second_moment_interval,
                                                         second_moment, local_steps),
-      precondition=shared_adam.check_precondition(precondition, second_moment, local_steps),
+      precondition=shared_adam.check_no_after_without_average(
+          shared_adam.check_precondition(precondition, second_moment, local_steps),
+          second_moment_interval),
       local_steps=local_steps, outer_optimizer=outer_optimizer,
       hierarchical=hierarchy_lib.check_hierarchical(hierarchical),
       devices_per_worker=hierarchy_lib.check_devices_per_worker(devices_per_worker),

@@ -251,10 +251,18 @@ def default_second_moment(inner_optimizer, exchange="updates", reduction="sum",
 
 
 def check_interval(interval, second_moment, local_steps=1):
-  """``second_moment_interval`` checked: None, or an int >= 1 with a moment averaged
-  every step (not with local steps, whose estimate is each replica's own)."""
+  """``second_moment_interval`` checked: None; 0 with "global" (nothing averaged: each
+  replica estimates the global batch's moment from its own, as it does inside local
+  steps); or an int >= 1 with a moment averaged every step (not with local steps)."""
   if interval is None:
     return None
+  if checks.is_int(interval) and not isinstance(interval, bool) and interval == 0:
+    if second_moment != "global":
+      raise ValueError("`second_moment_interval=0` (each replica estimates the global "
+                       "batch's second moment from its own; nothing is averaged) needs "
+                       "second_moment='global'. Received: second_moment_interval=0, "
+                       f"second_moment={second_moment!r}")
+    return 0
   interval = checks.positive_int(interval, "second_moment_interval")
   if local_steps > 1:
     raise ValueError("`second_moment_interval` is the longest interval between averages "
@@ -269,6 +277,23 @@ def check_interval(interval, second_moment, local_steps=1):
                      f"Received: second_moment_interval={interval!r}, "
                      f"second_moment={second_moment!r}")
   return interval
+
+
+def estimates_own_moment(second_moment, interval, local_steps) -> bool:
+  """Whether each replica divides by its own estimate of the global batch's second
+  moment (``steps.estimated_adam``), nothing averaged: "global" inside local steps, or
+  with ``second_moment_interval=0``."""
+  return second_moment == "global" and (local_steps > 1 or interval == 0)
+
+
+def check_no_after_without_average(precondition, interval):
+  """``precondition="after"`` refused with ``second_moment_interval=0``: there is no
+  shared moment to divide the exchanged steps by."""
+  if precondition == "after" and interval == 0:
+    raise ValueError("`precondition='after'` divides the exchanged steps by the shared "
+                     "second moment; with second_moment_interval=0 nothing is shared. "
+                     "Received: precondition='after', second_moment_interval=0")
+  return precondition
 
 
 def check_precondition(precondition, second_moment, local_steps=1):
