@@ -107,6 +107,17 @@ def test_every_step_with_interval_zero_applies_the_mean_of_the_estimated_steps()
   assert optimizer.moment_bytes() == [0] * len(start)
 
 
+def test_interval_zero_trains_under_the_default_choice_of_exchange():
+  # dense_when_faster (the default) chooses at each exchange; the replicas stay equal.
+  make = lambda: tf_adacomp.CompressedOptimizer(  # noqa: E731
+      keras.optimizers.Adam(**ADAM), second_moment_interval=0)
+  start, model, strategy = fit(make, 2, 6)
+  for copies in replica_weights(model, strategy):
+    np.testing.assert_array_equal(copies[0], copies[1])
+  assert not np.allclose(replica_weights(model, strategy)[0][0], start[0])
+  assert model.optimizer.moment_bytes() == [0] * len(start)
+
+
 def test_one_replica_is_keras_adamw():
   x, y = data(1, 5)
   results = []
