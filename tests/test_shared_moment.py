@@ -406,7 +406,10 @@ def test_default_and_config():
     (None, {"precondition": "sideways"}, r"precondition='sideways'"),
     (None, {"precondition": "after", "second_moment": "local"},
      r"precondition='after', second_moment='local'"),
-    (None, {"second_moment_interval": 0}, r"second_moment_interval=0"),
+    # 0 (nothing averaged) is "global"'s alone: each replica's own estimate.
+    (None, {"second_moment": "shared", "second_moment_interval": 0},
+     r"second_moment_interval=0, second_moment='shared'"),
+    (None, {"second_moment_interval": -1}, r"second_moment_interval=-1"),
     (None, {"second_moment_interval": 2.5}, r"second_moment_interval=2.5"),
     (None, {"second_moment": "local", "second_moment_interval": 8},
      r"second_moment_interval=8, second_moment='local'"),
