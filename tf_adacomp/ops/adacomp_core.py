@@ -436,16 +436,20 @@ def _packed_codes(words, signs, cap: int, count, bits: int, index_of=None):
 
   if cap == 0:
     return tf.zeros([0], tf.int32)
-  n = int(words.shape[0]) * compaction.WORD_BITS
-  tiers = sorted({min(cap, -(-n // d)) for d in SLOT_TIERS} | {cap})
   if variant.gpu_form(words) and cap <= GPU_FULL_ENCODE_MAX_SLOTS:
     return encode(cap)
+  return _in_smallest_tier(encode, count, cap, int(words.shape[0]) * compaction.WORD_BITS)
+
+
+def _in_smallest_tier(fn, count, cap: int, positions: int):
+  """``fn(slots)`` for the smallest tier (1/128 or 1/16 of ``positions``, or ``cap``)
+  that holds ``count``, chosen by a chain of conditionals."""
+  tiers = sorted({min(cap, -(-positions // d)) for d in SLOT_TIERS} | {cap})
 
   def smallest_tier_from(i):
     if i == len(tiers) - 1:
-      return encode(tiers[i])
-    return tf.cond(count <= tiers[i], lambda: encode(tiers[i]),
-                   lambda: smallest_tier_from(i + 1))
+      return fn(tiers[i])
+    return tf.cond(count <= tiers[i], lambda: fn(tiers[i]), lambda: smallest_tier_from(i + 1))
 
   return smallest_tier_from(0)
 
@@ -633,17 +637,9 @@ def _code_bins(words, count, lay: Layout):
     positions, _, _ = compaction.select_positions(unary, slots)
     return tf.pad(positions - tf.range(slots, dtype=tf.int32), [[0, cap - slots]])
 
-  tiers = sorted({min(cap, -(-lay.total // d)) for d in SLOT_TIERS} | {cap})
   if variant.gpu_form(words):
     return bins_of(cap)
-
-  def smallest_tier_from(i):
-    if i == len(tiers) - 1:
-      return bins_of(tiers[i])
-    return tf.cond(count <= tiers[i], lambda: bins_of(tiers[i]),
-                   lambda: smallest_tier_from(i + 1))
-
-  return smallest_tier_from(0)
+  return _in_smallest_tier(bins_of, count, cap, lay.total)
 
 
 def _from_bin(offset, code_bin, lay: Layout):
