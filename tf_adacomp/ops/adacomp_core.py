@@ -568,17 +568,17 @@ def add_codes(total, words, count, counts, scales, lay: Layout):
   # (shifted back), not cut.
   padded = tf.pad(words, [[0, max(iterations * chunk_words - int(words.shape[0]), 0)]])
   steps = (tf.clip_by_value(count, 0, cap) + chunk - 1) // chunk
-  code_bins = _code_bins(words, count, lay) if lay.positions == "bin" else None
+  ranks = _unary_ranks(words, count, lay) if lay.positions == "bin" else None
 
   def add(i, total, chunks=1):  # chunks i, ..., i + chunks - 1
     codes = bitpack.unpack(tf.slice(padded, [i * chunk_words], [chunks * chunk_words]),
                            chunks * chunk, bits)
     local = tf.cast(tf.bitwise.right_shift(codes, 1), tf.int32)
     ordinals = i * chunk + tf.range(chunks * chunk, dtype=tf.int32)
-    if code_bins is not None:  # local is the offset in the code's bin
-      local, in_bin = _from_bin(local, tf.gather(code_bins, tf.minimum(ordinals, cap - 1)), lay)
+    if ranks is not None:  # local is the offset in the code's bin
+      local, in_bin = _from_bin(local, _bins_of_codes(ordinals, *ranks), lay)
     tensor, inside = _locate(ordinals, local, counts, lay)
-    if code_bins is not None:
+    if ranks is not None:
       inside &= in_bin == tensor
     # min(count, cap): a corrupt count above the capacity must not turn the padding
     # after it into codes.
@@ -626,20 +626,41 @@ def unary_mismatch(words, count, lay: Layout):
   return tf.reduce_sum(compaction.popcount(tf.bitwise.bitwise_and(unary, used))) != count
 
 
-def _code_bins(words, count, lay: Layout):
-  """int32 ``[cap]``: the bin (among all the tensors' bins) of each code of a
-  ``positions="bin"`` body: the j-th one of the unary counts at stream bit p is in bin
-  ``p - j``. Only the smallest tier of slots that holds ``count`` is selected."""
+def _unary_ranks(words, count, lay: Layout):
+  """The unary counts of a ``positions="bin"`` body (uint32 words) and, for each of
+  their words, the ones before it: what ``_bins_of_codes`` searches."""
   unary = _unary_words(words, count, lay)
-  cap = lay.cap
+  return unary, compaction.cumsum(compaction.popcount(unary), exclusive=True)
 
-  def bins_of(slots):
-    positions, _, _ = compaction.select_positions(unary, slots)
-    return tf.pad(positions - tf.range(slots, dtype=tf.int32), [[0, cap - slots]])
 
-  if variant.gpu_form(words):
-    return bins_of(cap)
-  return _in_smallest_tier(bins_of, count, cap, lay.total)
+def _bins_of_codes(ordinals, unary, before):
+  """The bin (among all the tensors' bins) of each code ``ordinals`` (its place in
+  the row, below the row's count): the ``j``-th one of the unary counts, at stream bit
+  ``p``, has ``p - j`` closing zeros before it. Its word is the last one with at most
+  ``j`` ones before it: a binary search over ``before`` (one gather per halving), then
+  the bit within the word. Per chunk of codes and with no conditional: selecting the
+  ones' positions in tiers of slots, as the encoder does, made the decoder three times
+  the program to compile."""
+  n = int(before.shape[0])
+
+  def halve(lo, hi):  # lo: the first word with more than j ones before it
+    mid = tf.bitwise.right_shift(lo + hi, 1)  # not //: XLA floors a signed division
+    below = (tf.gather(before, tf.minimum(mid, n - 1)) <= ordinals) & (lo < hi)
+    return tf.where(below, mid + 1, lo), tf.where(below | (lo >= hi), hi, mid)
+
+  bounds = (tf.zeros_like(ordinals), tf.fill(tf.shape(ordinals), n))
+  if variant.gpu_form(ordinals):  # no control flow in the GPU form
+    for _ in range(n.bit_length()):
+      bounds = halve(*bounds)
+    lo = bounds[0]
+  else:
+    # A loop on CPU, not unrolled halvings: XLA's fusion copied each halving's lo and
+    # hi into every later one, and the decoder grew by thousands of instructions.
+    lo, _ = tf.while_loop(lambda lo, hi: True, halve, bounds,
+                          maximum_iterations=n.bit_length())
+  word = tf.maximum(lo - 1, 0)
+  bit = compaction.nth_set_bit(tf.gather(unary, word), ordinals - tf.gather(before, word))
+  return word * compaction.WORD_BITS + bit - ordinals
 
 
 def _from_bin(offset, code_bin, lay: Layout):
