@@ -75,10 +75,16 @@ def _runs_tests(config) -> bool:
 def pytest_addoption(parser):
   parser.addoption("--full", action="store_true", default=False,
                    help="run the whole suite: the slow tier (marked slow) too")
+  parser.addoption("--part", default=None, metavar="K/N",
+                   help="run only part K of N of the selected tests, whole files each "
+                   "(every file in exactly one part): N runs, one after the other, "
+                   "each in fresh processes")
 
 
 def pytest_configure(config):
   tiers.record(config.getoption("--full"))
+  if config.getoption("--part"):
+    parse_part(config.getoption("--part"))  # a bad value stops the run before collection
   if _runs_tests(config):
     split_cpu()
   config.addinivalue_line(
@@ -111,16 +117,43 @@ HEAVY_FILES_FIRST = (
 )
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected theirs: parts of the rest
 def pytest_collection_modifyitems(config, items):
   rank = {path: i for i, path in enumerate(HEAVY_FILES_FIRST)}
   # A stable sort: the other files keep their order, and every file its tests' order.
-  items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
-  if config.getoption("--full"):
-    return
-  slow = [item for item in items if item.get_closest_marker("slow")]
-  if slow:
-    config.hook.pytest_deselected(items=slow)
-    items[:] = [item for item in items if not item.get_closest_marker("slow")]
+  items.sort(key=lambda item: rank.get(_file_of(item), len(rank)))
+  if not config.getoption("--full"):
+    _deselect(config, items, lambda item: item.get_closest_marker("slow"))
+  if config.getoption("--part"):
+    files = list(dict.fromkeys(_file_of(item) for item in items))  # in run order
+    kept = set(files_of_part(files, *parse_part(config.getoption("--part"))))
+    _deselect(config, items, lambda item: _file_of(item) not in kept)
+
+
+def _file_of(item):
+  return item.nodeid.split("::")[0]
+
+
+def _deselect(config, items, dropped):
+  gone = [item for item in items if dropped(item)]
+  if gone:
+    config.hook.pytest_deselected(items=gone)
+    items[:] = [item for item in items if not dropped(item)]
+
+
+def parse_part(value):
+  """``"K/N"`` -> ``(K, N)`` with 1 <= K <= N; raises pytest.UsageError naming the value."""
+  k, _, n = str(value).partition("/")
+  if not (k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+    raise pytest.UsageError(f"--part takes K/N with 1 <= K <= N (e.g. --part=1/3). "
+                            f"Received: --part={value}")
+  return int(k), int(n)
+
+
+def files_of_part(files, k: int, n: int):
+  """The files of part ``k`` of ``n``: ``files`` (heaviest first) dealt out in turn, so
+  that each part starts with some of the heaviest."""
+  return [path for i, path in enumerate(files) if i % n == k - 1]
 
 
 def pytest_unconfigure(config):
