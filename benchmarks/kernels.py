@@ -34,15 +34,22 @@ def _fused_pass(grad, residue):
 
 
 def _median_seconds(fn, repeats):
-  out = fn()  # compile
+  return _first_and_median_seconds(fn, repeats)[1]
+
+
+def _first_and_median_seconds(fn, repeats):
+  """The first call (compiling, then running) and the median of ``repeats`` after it."""
+  start = time.perf_counter()
+  out = fn()
   tf.nest.map_structure(lambda t: t.numpy(), out)
+  first = time.perf_counter() - start
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
     out = fn()
     tf.nest.map_structure(lambda t: t.numpy(), out)  # wait for the result
     times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  return first, statistics.median(times)
 
 
 def _parse_size(text):
@@ -51,7 +58,7 @@ def _parse_size(text):
   return int(float(text.rstrip("KM")) * scale)
 
 
-def bench(n, bin_size, max_density, repeats, seed=0):
+def bench(n, bin_size, max_density, repeats, seed=0, positions=None):
   """One row: times and ratios for a flat float32 tensor of ``n`` elements."""
   rng = np.random.default_rng(seed)
   # A residue that has been accumulating (larger than one gradient), as in training.
@@ -59,26 +66,42 @@ def bench(n, bin_size, max_density, repeats, seed=0):
   residue = tf.constant(3 * rng.standard_normal(n, dtype=np.float32))
   # The compressor with the default settings but the bin size and capacity measured, and
   # the plan the exchange would make for this tensor.
-  compressor = tf_adacomp.AdaComp(dense_bin_size=bin_size, max_density=max_density)
+  compressor = tf_adacomp.AdaComp(dense_bin_size=bin_size, max_density=max_density,
+                                  positions=positions)
   plans = [compressor.plan([n], tf.float32, kind="dense")]
   fused = _median_seconds(lambda: _fused_pass(grad, residue), repeats)
-  compress = _median_seconds(
+  first_compress, compress = _first_and_median_seconds(
       lambda: compressor.compress([grad], [(residue,)], plans), repeats)
   payload, _ = compressor.compress([grad], [(residue,)], plans)
   # The exchange decodes [replicas, width] rows.
   rows, gathered = payload[None], tf.stack([payload] * 4)
   decode = _median_seconds(lambda: compressor.decompress(rows, plans), repeats)
-  decode4 = _median_seconds(lambda: compressor.decompress(gathered, plans), repeats)
+  first_decode4, decode4 = _first_and_median_seconds(
+      lambda: compressor.decompress(gathered, plans), repeats)
   nbytes = int(tf.reduce_sum(compressor.nbytes(payload, plans)))
   return {
       "elements": n, "bin_size": bin_size, "max_density": max_density,
+      "positions": compressor.positions,
       "selected": int(payload[0]), "payload_bytes": nbytes,
       "compression_ratio": 4 * n / nbytes,
       "fused_pass_s": fused, "compress_s": compress, "decode_s": decode,
       "decode_4_replicas_s": decode4,
+      # Compiling is most of a first call: the seconds a process pays once per kernel.
+      "first_compress_s": first_compress, "first_decode_4_replicas_s": first_decode4,
       "compress_elements_per_s": n / compress, "decode_elements_per_s": n / decode,
       "compress_over_fused": compress / fused, "decode_over_fused": decode / fused,
   }
+
+
+def _print_row(r):
+  n = r["elements"]
+  print(f"{n:>10} {r['bin_size']:>4} {r['max_density']:>5.3g} {r['positions']:>6} "
+        f"{100 * r['selected'] / n:>6.2f} {r['compression_ratio']:>6.1f}x "
+        f"{1e3 * r['fused_pass_s']:>9.2f} {1e3 * r['compress_s']:>8.2f} "
+        f"{r['compress_over_fused']:>9.2f}x {r['compress_elements_per_s'] / 1e6:>8.1f} "
+        f"{1e3 * r['decode_s']:>7.2f} {r['decode_over_fused']:>8.2f}x "
+        f"{1e3 * r['decode_4_replicas_s']:>8.2f} {r['first_compress_s']:>10.2f} "
+        f"{r['first_decode_4_replicas_s']:>10.2f}", flush=True)
 
 
 def main():
@@ -91,14 +114,18 @@ def main():
   parser.add_argument("--full_capacity_limit", default="16M",
                       help="skip max_density=1.0 above this many elements (memory: its "
                       "payload buffers are larger than the tensor)")
+  parser.add_argument("--positions", default="bin",
+                      help="AdaComp positions to measure: bin (the default), tensor, or both "
+                      "(bin,tensor)")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--json", default="out/kernels.json")
   args = parser.parse_args()
 
   rows = []
-  header = (f"{'elements':>10} {'L_T':>4} {'cap':>5} {'sel%':>6} {'ratio':>7} "
+  header = (f"{'elements':>10} {'L_T':>4} {'cap':>5} {'pos':>6} {'sel%':>6} {'ratio':>7} "
             f"{'fused ms':>9} {'comp ms':>8} {'comp/fused':>10} {'Melem/s':>8} "
-            f"{'dec ms':>7} {'dec/fused':>9} {'dec4 ms':>8}")
+            f"{'dec ms':>7} {'dec/fused':>9} {'dec4 ms':>8} {'1st comp s':>10} "
+            f"{'1st dec4 s':>10}")
   print(f"device: {tf.config.list_logical_devices()[0].name}, {os.cpu_count()} CPUs, "
         f"TensorFlow {tf.__version__}\n{header}")
   for size in args.sizes.split(","):
@@ -107,14 +134,10 @@ def main():
       for density in map(float, args.max_densities.split(",")):
         if density == 1.0 and n > _parse_size(args.full_capacity_limit):
           continue
-        r = bench(n, bin_size, density, args.repeats)
-        rows.append(r)
-        print(f"{n:>10} {bin_size:>4} {density:>5.3g} {100 * r['selected'] / n:>6.2f} "
-              f"{r['compression_ratio']:>6.1f}x {1e3 * r['fused_pass_s']:>9.2f} "
-              f"{1e3 * r['compress_s']:>8.2f} {r['compress_over_fused']:>9.2f}x "
-              f"{r['compress_elements_per_s'] / 1e6:>8.1f} {1e3 * r['decode_s']:>7.2f} "
-              f"{r['decode_over_fused']:>8.2f}x {1e3 * r['decode_4_replicas_s']:>8.2f}",
-              flush=True)
+        for positions in args.positions.split(","):
+          r = bench(n, bin_size, density, args.repeats, positions=positions)
+          rows.append(r)
+          _print_row(r)
   result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                         "tensorflow": tf.__version__,
                         "devices": [d.name for d in tf.config.list_logical_devices()]},

@@ -180,3 +180,24 @@ def test_format_summary_puts_runs_side_by_side():
   row = next(line for line in text.splitlines() if line.startswith("  conv layers"))
   assert row.split()[-2:] == ["100.0x", "1.0x"]
   assert "dense float32 bytes / step" in text
+
+
+def test_the_train_clock_times_training_not_what_follows_fit():
+  # fit returned seconds after the last step while TensorFlow destroyed the input
+  # iterator; the clock stops at on_train_end, and a callback after it is not timed.
+  import time  # pylint: disable=g-import-not-at-top
+  import keras  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  class SlowEnd(keras.callbacks.Callback):
+    def on_train_end(self, logs=None):
+      time.sleep(1.0)
+
+  model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+  model.compile(optimizer="sgd", loss="mse")
+  clock = training._TrainClock()  # pylint: disable=protected-access
+  start = time.perf_counter()
+  model.fit(np.zeros((4, 2)), np.zeros((4, 1)), epochs=1, verbose=0,
+            callbacks=[clock, SlowEnd()])
+  around = time.perf_counter() - start
+  assert 0 < clock.seconds < around - 0.9

@@ -576,7 +576,7 @@ def add_codes(total, words, count, counts, scales, lay: Layout):
     local = tf.cast(tf.bitwise.right_shift(codes, 1), tf.int32)
     ordinals = i * chunk + tf.range(chunks * chunk, dtype=tf.int32)
     if ranks is not None:  # local is the offset in the code's bin
-      local, in_bin = _from_bin(local, _bins_of_codes(ordinals, *ranks), lay)
+      local, in_bin = _from_bin(local, _bins_of_codes(ordinals, *ranks, sum(lay.bins)), lay)
     tensor, inside = _locate(ordinals, local, counts, lay)
     if ranks is not None:
       inside &= in_bin == tensor
@@ -633,12 +633,13 @@ def _unary_ranks(words, count, lay: Layout):
   return unary, compaction.cumsum(compaction.popcount(unary), exclusive=True)
 
 
-def _bins_of_codes(ordinals, unary, before):
+def _bins_of_codes(ordinals, unary, before, bins: int):
   """The bin (among all the tensors' bins) of each code ``ordinals`` (its place in
   the row, below the row's count): the ``j``-th one of the unary counts, at stream bit
   ``p``, has ``p - j`` closing zeros before it. Its word is the last one with at most
-  ``j`` ones before it: a binary search over ``before`` (one gather per halving), then
-  the bit within the word. Per chunk of codes and with no conditional: selecting the
+  ``j`` ones before it: a binary search over ``before`` (one gather per halving), among
+  the words of bits ``j`` to ``j + bins`` (the ``bins`` zeros are all the bits that are
+  not ones), then the bit within the word. Per chunk of codes and with no conditional: selecting the
   ones' positions in tiers of slots, as the encoder does, made the decoder three times
   the program to compile."""
   n = int(before.shape[0])
@@ -648,16 +649,18 @@ def _bins_of_codes(ordinals, unary, before):
     below = (tf.gather(before, tf.minimum(mid, n - 1)) <= ordinals) & (lo < hi)
     return tf.where(below, mid + 1, lo), tf.where(below | (lo >= hi), hi, mid)
 
-  bounds = (tf.zeros_like(ordinals), tf.fill(tf.shape(ordinals), n))
+  first = tf.bitwise.right_shift(ordinals, 5)  # the word of bit j
+  bounds = (tf.minimum(first, n), tf.minimum(first + (bins // 32 + 2), n))
+  halvings = (bins // 32 + 2).bit_length()
   if variant.gpu_form(ordinals):  # no control flow in the GPU form
-    for _ in range(n.bit_length()):
+    for _ in range(halvings):
       bounds = halve(*bounds)
     lo = bounds[0]
   else:
     # A loop on CPU, not unrolled halvings: XLA's fusion copied each halving's lo and
     # hi into every later one, and the decoder grew by thousands of instructions.
     lo, _ = tf.while_loop(lambda lo, hi: True, halve, bounds,
-                          maximum_iterations=n.bit_length())
+                          maximum_iterations=halvings)
   word = tf.maximum(lo - 1, 0)
   bit = compaction.nth_set_bit(tf.gather(unary, word), ordinals - tf.gather(before, word))
   return word * compaction.WORD_BITS + bit - ordinals
