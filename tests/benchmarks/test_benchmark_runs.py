@@ -68,10 +68,12 @@ def test_step_time_ratios_to_the_dense_step(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not netns.available(), reason="needs root and iproute2 (ip netns, tc)")
 def test_network_runs_workers_across_limited_namespaces_and_cleans_up(tmp_path):
-  out = _ok(_run("network.py", "--models=mlp", "--rates=100mbit",
-                 "--compressors=none,adacomp+gradients,adacomp+H2", "--width=64",
-                 "--max_steps=4", "--eval_every=2", "--target_accuracy=0.01", "--synthetic",
-                 f"--json={tmp_path / 'n.json'}", f"--plot={tmp_path / 'n.png'}"))
+  result, pid = benchmark_scripts.run_script(
+      "network.py", "--models=mlp", "--rates=100mbit",
+      "--compressors=none,adacomp+gradients,adacomp+H2", "--width=64", "--max_steps=4",
+      "--eval_every=2", "--target_accuracy=0.01", "--synthetic",
+      f"--json={tmp_path / 'n.json'}", f"--plot={tmp_path / 'n.png'}", env=ENV)
+  out = _ok(result)
   assert "measured link" in out and "targets, mlp:" in out
   result = json.loads((tmp_path / "n.json").read_text())
   assert 50e6 < result["measured_link_bits_per_second"]["100mbit"] < 130e6
@@ -101,8 +103,7 @@ def test_network_runs_workers_across_limited_namespaces_and_cleans_up(tmp_path):
       assert link["tx_bytes"] > 0 and link["rx_bytes"] > 0
   assert adacomp["link_tx_bytes_per_step"] >= adacomp["bytes_sent_per_step"] > 0
   assert (tmp_path / "n.png").stat().st_size > 0
-  leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-  assert "tfac" not in leftovers
+  assert benchmark_scripts.namespaces_of(pid) == []
 
 
 @pytest.mark.parametrize("script,flags,named", [

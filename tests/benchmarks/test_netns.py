@@ -107,3 +107,20 @@ def test_removed_on_sigterm(tmp_path):
     if process.poll() is None:
       process.kill()
   assert tag not in _namespaces() and tag not in _links()
+
+
+@needs_namespaces
+def test_a_test_sees_only_the_namespaces_of_its_own_script():
+  # Another test's network.py, beside it under pytest-xdist, holds tfac<its pid>...
+  # names: a check for leftovers must not read them as its own (nor a longer pid that
+  # starts with the same digits).
+  pid = 999999991
+  mine, other = f"tfac{pid}h0", f"tfac{pid}2h0"
+  try:
+    for name in (mine, other):
+      subprocess.run(["ip", "netns", "add", name], check=True)
+    assert benchmark_scripts.namespaces_of(pid) == [mine]
+  finally:
+    for name in (mine, other):
+      subprocess.run(["ip", "netns", "del", name], check=False)
+  assert benchmark_scripts.namespaces_of(pid) == []

@@ -4,8 +4,6 @@ CPUs in namespaces, hierarchical and flat AdaComp, and the link's counters.
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -22,13 +20,11 @@ def test_two_devices_per_worker_hierarchical_flat_and_the_link_counters(tmp_path
   # (tests/benchmarks/test_benchmark_runs.py checks their link counters against
   # bytes_sent), and the ratios to D = 1 and the targets' lines are arithmetic on rows,
   # tests/benchmarks/test_network_arithmetic.py's (summarize_devices, device_ratios).
-  result = subprocess.run(
-      [sys.executable, os.path.join(benchmark_scripts.BENCHMARKS_DIR, "network.py"),
-       "--models=mlp", "--rates=100mbit", "--compressors=adacomp,adacomp+flat",
-       "--devices_per_worker=2", "--width=64", "--max_steps=4", "--eval_every=2",
-       "--target_accuracy=0.01", "--synthetic", f"--json={tmp_path / 'n.json'}",
-       "--plot="],
-      capture_output=True, text=True, env=ENV, timeout=900, check=False)
+  result, pid = benchmark_scripts.run_script(
+      "network.py", "--models=mlp", "--rates=100mbit", "--compressors=adacomp,adacomp+flat",
+      "--devices_per_worker=2", "--width=64", "--max_steps=4", "--eval_every=2",
+      "--target_accuracy=0.01", "--synthetic", f"--json={tmp_path / 'n.json'}", "--plot=",
+      env=ENV, timeout=900)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   assert "time_to_target_with_devices_no_worse_than_one_at_100mbit" in result.stdout
   out = json.loads((tmp_path / "n.json").read_text())
@@ -57,5 +53,4 @@ def test_two_devices_per_worker_hierarchical_flat_and_the_link_counters(tmp_path
   assert rows["adacomp", 2]["time_to_target_over_one_device"] is None
   assert "accuracy_at_equal_step_over_flat" in rows["adacomp", 2]
   assert rows["adacomp", 2]["flat_variant"] == "adacomp+flat"
-  leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-  assert "tfac" not in leftovers
+  assert benchmark_scripts.namespaces_of(pid) == []
