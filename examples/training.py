@@ -115,7 +115,7 @@ def train(example, config, callbacks=()) -> Dict[str, Any]:
 class _TrainClock(keras.callbacks.Callback):
   """Seconds from the start of training to its end (first step's compiling included).
 
-  Not around ``fit``: after the last step, ``fit`` returned 3-50 s later, idle (0% CPU)
+  Not around ``fit``: after the last step, ``fit`` returned 2-50 s later, idle (0% CPU)
   while TensorFlow destroyed the input iterator (py-spy: ``~IteratorResource`` waiting
   on a tf.data thread), by an amount that varied from run to run of one configuration."""
 
