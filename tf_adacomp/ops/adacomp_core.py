@@ -639,9 +639,9 @@ def _bins_of_codes(ordinals, unary, before, bins: int):
   ``p``, has ``p - j`` closing zeros before it. Its word is the last one with at most
   ``j`` ones before it: a binary search over ``before`` (one gather per halving), among
   the words of bits ``j`` to ``j + bins`` (the ``bins`` zeros are all the bits that are
-  not ones), then the bit within the word. Per chunk of codes and with no conditional: selecting the
-  ones' positions in tiers of slots, as the encoder does, made the decoder three times
-  the program to compile."""
+  not ones), then the bit within the word. Per chunk of codes and with no conditional:
+  selecting the ones' positions in tiers of slots, as the encoder does, made the decoder
+  three times the program to compile."""
   n = int(before.shape[0])
 
   def halve(lo, hi):  # lo: the first word with more than j ones before it
@@ -649,7 +649,7 @@ def _bins_of_codes(ordinals, unary, before, bins: int):
     below = (tf.gather(before, tf.minimum(mid, n - 1)) <= ordinals) & (lo < hi)
     return tf.where(below, mid + 1, lo), tf.where(below | (lo >= hi), hi, mid)
 
-  first = tf.bitwise.right_shift(ordinals, 5)  # the word of bit j
+  first = tf.bitwise.right_shift(ordinals, 5)  # the word of bit j (32 bits a word)
   bounds = (tf.minimum(first, n), tf.minimum(first + (bins // 32 + 2), n))
   halvings = (bins // 32 + 2).bit_length()
   if variant.gpu_form(ordinals):  # no control flow in the GPU form
