@@ -25,9 +25,10 @@ updates compressed), ``adacomp+updates+masking`` (and ``momentum_masking=True``)
 ``adacomp-bin+updates``, ``adacomp+updates+warmup50`` (``start_step=50``: 50 dense steps
 first); for Adam and AdamW, the second moment: ``adacomp+updates+local`` (each
 replica's own), ``+shared`` (the replicas' mean), ``+global`` (estimated for the global
-batch), ``+global64`` (averaged every 64 steps once the doubling interval reaches 64),
-``+global0`` (``second_moment_interval=0``: never averaged, each replica divides by its
-own estimate of the global batch's second moment),
+batch from the replicas' averages at steps 1, 2, 4, ...), ``+global64`` (averaged every
+64 steps once the doubling interval reaches 64), ``+global0``
+(``second_moment_interval=0``: never averaged, each replica divides by its own estimate
+of the global batch's second moment; the library's default, as ``adacomp+updates``),
 ``+global+after`` (``precondition="after"``), and ``none+updates+...`` the same without
 compression. Local steps: ``adacomp+updates+H8`` (``local_steps=8``; H from 2 to 64),
 ``+nesterov`` (DiLoCo's outer step), and for Adam inside ``+global`` (each replica's
@@ -117,9 +118,11 @@ VARIANTS = {
                                                  "second_moment_interval": 64}),
     "none+updates+shared1": ("none", {}, {"exchange": "updates", "second_moment": "shared",
                                           "second_moment_interval": 1}),
-    # "global": the shared second moment corrected for the replicas' smaller batches.
+    # "global": the shared second moment corrected for the replicas' smaller batches,
+    # averaged at steps 1, 2, 4, ... (the library's default before "global0").
     "adacomp+updates+global": ("adacomp", {}, {"exchange": "updates",
-                                               "second_moment": "global"}),
+                                               "second_moment": "global",
+                                               "second_moment_interval": "doubling"}),
     # precondition="after": the first moment is compressed, divided on arrival.
     "adacomp+updates+global+after": ("adacomp", {}, {"exchange": "updates",
                                                      "second_moment": "global",
@@ -127,8 +130,10 @@ VARIANTS = {
     "adacomp+updates+global64": ("adacomp", {}, {"exchange": "updates",
                                                  "second_moment": "global",
                                                  "second_moment_interval": 64}),
-    "none+updates+global": ("none", {}, {"exchange": "updates", "second_moment": "global"}),
-    # "global0": second_moment_interval=0, each replica its own estimate, nothing averaged.
+    "none+updates+global": ("none", {}, {"exchange": "updates", "second_moment": "global",
+                                         "second_moment_interval": "doubling"}),
+    # "global0": second_moment_interval=0, each replica its own estimate, nothing averaged
+    # (the default for an Adam or AdamW: "adacomp+updates" is the same).
     "adacomp+updates+global0": ("adacomp", {}, {"exchange": "updates", "second_moment": "global",
                                                 "second_moment_interval": 0}),
     "none+updates+global0": ("none", {}, {"exchange": "updates", "second_moment": "global",

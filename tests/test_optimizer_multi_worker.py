@@ -13,7 +13,7 @@ from multi_worker import describe
 from multi_worker import run_workers
 
 RUNS = ("plain", "none", "adacomp", "adacomp:adasum:delta", "adam+plain",
-        "adam+adacomp+global", "local+adacomp+nesterov", "local+none+average")
+        "adam+adacomp+global+doubling", "local+adacomp+nesterov", "local+none+average")
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +91,10 @@ def test_adacomp_with_adasum_of_deltas_over_grpc(runs):
 
 
 @pytest.mark.slow
-def test_adam_with_the_global_second_moment_over_grpc(runs):
+def test_adam_with_the_global_second_moment_averaged_over_grpc(runs):
   # The sync steps (1, 2, 4, ...) all-reduce the moments inside a tf.cond in replica
   # context, the path MultiWorkerMirroredStrategy takes (no merge_call).
-  arrays, logs = runs["adam+adacomp+global"]
+  arrays, logs = runs["adam+adacomp+global+doubling"]
   plain_arrays, plain_logs = runs["adam+plain"]
   for key in _final_weights(arrays):
     np.testing.assert_array_equal(arrays[0][key], arrays[1][key])

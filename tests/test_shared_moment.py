@@ -200,12 +200,14 @@ def reference(start, replicas, steps, density=None, precondition="before", **kwa
 
 
 def _shared(inner=None, compressor="none", mode="shared", **kwargs):
+  # The averages at steps 1, 2, 4, ... ("global" averages nothing by default).
+  kwargs.setdefault("second_moment_interval", "doubling")
   return lambda: tf_adacomp.CompressedOptimizer(
       inner() if inner else keras.optimizers.Adam(**ADAM), compressor, exchange="updates",
       second_moment=mode, **kwargs)
 
 
-# "shared" in the slow tier: "global" (the default) takes the same path, and more.
+# "shared" in the slow tier: "global" takes the same path, and more.
 @pytest.fixture(scope="module", params=["global", pytest.param("shared", marks=pytest.mark.slow)])
 def uncompressed(request):
   """3 replicas, 3 steps (averages at steps 1 and 2, not 3), no compression."""
@@ -254,7 +256,8 @@ def test_an_element_first_seen_after_an_average_moves_no_further_than_adam_can(p
   with strategy.scope():
     model = linear_model()
     model.compile(optimizer=tf_adacomp.CompressedOptimizer(
-        keras.optimizers.Adam(**adam), "none", precondition=precondition), loss="mse")
+        keras.optimizers.Adam(**adam), "none", precondition=precondition,
+        second_moment_interval="doubling"), loss="mse")
   start = model.get_weights()
   model.fit(x, y, batch_size=replicas * PER_REPLICA, verbose=0, shuffle=False)
   optimizer = model.optimizer
@@ -391,6 +394,72 @@ def test_default_and_config():
   assert tf_adacomp.CompressedOptimizer.from_config(old).second_moment == "local"
 
 
+@pytest.mark.parametrize("kwargs,interval", [
+    ({}, 0),  # "global": each replica's own estimate, nothing averaged
+    ({"precondition": "after"}, "doubling"),  # divides by the averaged moment
+    ({"second_moment": "shared"}, "doubling"),
+    ({"second_moment": "global", "second_moment_interval": "doubling"}, "doubling"),
+    ({"second_moment_interval": 64}, 64),
+    ({"local_steps": 4}, 0),
+    ({"second_moment": "local"}, None),
+])
+def test_the_interval_resolves_and_is_saved_resolved(kwargs, interval):
+  optimizer = tf_adacomp.CompressedOptimizer(keras.optimizers.Adam(0.01), **kwargs)
+  assert optimizer.second_moment_interval == interval
+  config = optimizer.get_config()
+  assert config["second_moment_interval"] == interval
+  assert tf_adacomp.CompressedOptimizer.from_config(config).second_moment_interval == interval
+
+
+@pytest.mark.parametrize("saved,interval", [
+    # Written when None meant averages at steps 1, 2, 4, ...: they keep them.
+    ({"second_moment": "global"}, "doubling"),
+    ({"second_moment": "shared"}, "doubling"),
+    # Local steps never averaged; "local" shares nothing.
+    ({"second_moment": "global", "local_steps": 4}, 0),
+    ({"second_moment": "local"}, None),
+])
+def test_a_config_saved_with_none_keeps_what_it_trained_with(saved, interval):
+  config = tf_adacomp.CompressedOptimizer(keras.optimizers.Adam(0.01)).get_config()
+  config.update(saved, second_moment_interval=None)
+  assert tf_adacomp.CompressedOptimizer.from_config(config).second_moment_interval == interval
+
+
+def test_a_keras_file_saved_with_the_averages_loads_them(tmp_path):
+  # A .keras file of a release whose "global" averaged by default: its config says
+  # second_moment_interval=None, and its optimizer variables include the shared moment.
+  # Loaded now, it keeps averaging and every saved variable loads into its own.
+  x, y = data(1, 2)
+  model = linear_model()
+  model.compile(optimizer=_shared(mode="global")(), loss="mse")
+  model.fit(x, y, batch_size=PER_REPLICA, verbose=0, shuffle=False)
+  path = str(tmp_path / "old.keras")
+  model.save(path)
+  _rewrite_keras_config(path, second_moment_interval=None)
+  loaded = keras.saving.load_model(path)
+  optimizer = loaded.optimizer
+  assert optimizer.second_moment_interval == "doubling"
+  assert len(optimizer.variables) == len(model.optimizer.variables)
+  for a, b in zip(optimizer.variables, model.optimizer.variables):
+    assert a.path.rsplit("_", 2)[-2:] == b.path.rsplit("_", 2)[-2:]  # the same slot
+    np.testing.assert_array_equal(a.numpy(), b.numpy())
+  assert np.any(optimizer.shared_velocities[0].numpy())
+
+
+def _rewrite_keras_config(path, **optimizer_config):
+  """Replaces entries of the optimizer's config inside a ``.keras`` file."""
+  import json  # pylint: disable=import-outside-toplevel
+  import zipfile  # pylint: disable=import-outside-toplevel
+  with zipfile.ZipFile(path) as archive:
+    files = {name: archive.read(name) for name in archive.namelist()}
+  config = json.loads(files["config.json"])
+  config["compile_config"]["optimizer"]["config"].update(optimizer_config)
+  files["config.json"] = json.dumps(config).encode()
+  with zipfile.ZipFile(path, "w") as archive:
+    for name, data_bytes in files.items():
+      archive.writestr(name, data_bytes)
+
+
 @pytest.mark.parametrize("inner,kwargs,match", [
     (None, {"second_moment": "mean"}, r"second_moment='mean'"),
     (None, {"second_moment": "global", "exchange": "gradients"}, r"exchange='gradients'"),
@@ -411,6 +480,11 @@ def test_default_and_config():
      r"second_moment_interval=0, second_moment='shared'"),
     (None, {"second_moment_interval": -1}, r"second_moment_interval=-1"),
     (None, {"second_moment_interval": 2.5}, r"second_moment_interval=2.5"),
+    (None, {"second_moment_interval": "weekly"}, r"second_moment_interval='weekly'"),
+    (None, {"second_moment_interval": "doubling", "local_steps": 2},
+     r"second_moment_interval='doubling', local_steps=2"),
+    (None, {"second_moment": "local", "second_moment_interval": "doubling"},
+     r"second_moment_interval='doubling', second_moment='local'"),
     (None, {"second_moment": "local", "second_moment_interval": 8},
      r"second_moment_interval=8, second_moment='local'"),
 ])
@@ -516,8 +590,8 @@ def test_the_moments_average_is_not_counted_as_all_gather():
   y = rng.standard_normal([16, 256]).astype(np.float32)
   with strategy.scope():
     model = keras.Sequential([keras.Input([64]), keras.layers.Dense(256)])
-    model.compile(optimizer=tf_adacomp.CompressedOptimizer(keras.optimizers.Adam(),
-                                                           "adacomp"), loss="mse")
+    model.compile(optimizer=tf_adacomp.CompressedOptimizer(
+        keras.optimizers.Adam(), "adacomp", second_moment_interval="doubling"), loss="mse")
   model.fit(x, y, batch_size=16, epochs=1, verbose=0)
   optimizer = model.optimizer
   assert optimizer.second_moment == "global" and sum(optimizer.moment_bytes()) > 0

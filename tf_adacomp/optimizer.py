@@ -100,22 +100,25 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
       accumulation or loss scale factor). "local": each replica's own. "shared": every
       replica divides by one second moment, the replicas' mean, averaged (dense
       bfloat16, counted in the bytes) at steps 1, 2, 4, 8, ...: the mean of the steps is
-      then Adam's step on the mean gradient. "global": as "shared", with the second
-      moment of the mean gradient estimated from the replicas' own; with
-      ``local_steps`` > 1, each replica's own estimate, nothing averaged
-      (``steps.estimated_adam``; "shared" does not take local steps). None:
+      then Adam's step on the mean gradient. "global": the second moment of the mean
+      gradient, which each replica by default estimates from its own moments at every
+      step, nothing averaged (``steps.estimated_adam``; with local steps too, where
+      "shared" does not apply), or, given ``second_moment_interval``, as "shared" with
+      that estimate made from the replicas' averages. None:
       ``default_second_moment(inner_optimizer, ...)``: ``DEFAULT_SECOND_MOMENT`` where
       it applies, "local" otherwise.
     precondition: "before" (default) or "after", with a shared ``second_moment``: whether
       each replica's Adam step is compressed ("before"), or its first moment times the
       step size, divided by the shared moment on arrival ("after"; equal without
       compression).
-    second_moment_interval: None (default) or an int >= 1, with a shared
-      ``second_moment``: the longest number of steps between averages of the second
-      moment (steps 1, 2, 4, ... below it). None lets the interval keep doubling. 0,
-      with "global": never averaged; each replica divides by its own estimate of the
-      global batch's second moment at every step, as inside local steps (no moment
-      bytes; docs/convergence.md measures it against the averages).
+    second_moment_interval: None (default), 0, "doubling" or an int >= 1: when the
+      replicas average a shared ``second_moment``. 0, with "global": never; each replica
+      divides by its own estimate of the global batch's second moment at every step, as
+      inside local steps (no moment bytes; docs/convergence.md measures it against the
+      averages). "doubling": at steps 1, 2, 4, 8, ... An int: the same up to that
+      interval, then every that many steps. None: 0 for "global", "doubling" for
+      "shared" and for ``precondition="after"`` (which divides by the averaged moment).
+      Configs saved with None and averages keep their averages when loaded.
     local_steps: int >= 1, default 1; with ``exchange="updates"``, the steps of a round
       (``steps.local_rounds``, ``tf_adacomp.local_steps``): each replica takes them on
       its own data from the round's anchor, and only the round's last step exchanges its

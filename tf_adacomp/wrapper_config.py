@@ -5,6 +5,7 @@ carried forward."""
 import keras
 
 from tf_adacomp import hierarchy as hierarchy_lib
+from tf_adacomp.steps import shared_adam
 
 
 def shown(value):
@@ -57,4 +58,11 @@ def keras3_arguments(config, custom_objects):
     config["exchange"] = "gradients"
   # Saved before `second_moment` existed: each replica kept its own.
   config.setdefault("second_moment", "local")
+  if (config["second_moment"] in ("shared", "global")
+      and config.get("second_moment_interval") is None
+      and config.get("local_steps", 1) in (None, 1)):
+    # Saved when a shared moment's None meant averages at steps 1, 2, 4, ... (now
+    # written out as "doubling"; None now means none for "global"): the same training,
+    # and the same variables to load (the shared moment's).
+    config["second_moment_interval"] = shared_adam.DOUBLING
   return inner, config

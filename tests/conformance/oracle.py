@@ -27,8 +27,10 @@ test_oracle_cross_device_ops.py (``tf_adacomp.CompressedAllReduce``):
   replica steps its own optimizer for H steps from the anchor, the anchor moves by the
   mean pseudo-update; H=1 is the update exchange; an Adam inside with
   ``second_moment="global"``, the default, is Keras' with each replica's estimate of the
-  global batch's second moment in its ``update_step``: ``EstimatedGlobalAdam``), and
-  Adam with the shared second moment at every step (NumPy, float64, the algorithm of
+  global batch's second moment in its ``update_step``: ``EstimatedGlobalAdam``, at
+  every step as inside local steps), and Adam with the second moment averaged at steps
+  1, 2, 4, ... ("shared", or "global" with ``precondition="after"`` or
+  ``second_moment_interval="doubling"``; NumPy, float64, the algorithm of
   ``tf_adacomp.shared_moment``'s docstring).
 - ``reference_kind`` picks the reference of a configuration and ``tolerance`` how close
   it must be (below); ``KNOWN_DEFECTS`` marks the configurations that fail because of a
@@ -199,6 +201,7 @@ class Config:
   exchange: str = "updates"
   second_moment: Optional[str] = None
   precondition: str = "before"
+  second_moment_interval: Any = None  # None, 0, "doubling" or an int (the wrapper's)
   local_steps: int = 1
   replicas: int = 1
   no_strategy: bool = False          # one replica without any strategy
@@ -251,6 +254,24 @@ def resolved_second_moment(c: Config) -> str:
   if c.exchange == "updates" and c.inner != "sgd" and not c.ema:
     return "global"
   return "local"
+
+
+def resolved_interval(c: Config):
+  """What the wrapper's ``second_moment_interval`` is for ``c`` (its documented default:
+  0 for "global", unless ``precondition="after"``; "doubling" for a moment averaged)."""
+  if c.second_moment_interval is not None:
+    return c.second_moment_interval
+  moment = resolved_second_moment(c)
+  if moment == "global" and (c.precondition == "before" or c.local_steps > 1):
+    return 0
+  return "doubling" if moment in ("shared", "global") else None
+
+
+def estimates_own_moment(c: Config) -> bool:
+  """Whether each replica of ``c`` divides by its own estimate of the global batch's
+  second moment (``EstimatedGlobalAdam``): "global" inside local steps or with interval 0."""
+  return resolved_second_moment(c) == "global" and (c.local_steps > 1
+                                                     or resolved_interval(c) == 0)
 
 
 def construction_error(c: Config) -> List[str]:
@@ -351,6 +372,9 @@ TARGETED = (
     Config(inner="adam", exchange="gradients", mixed=True, model="embedding"),  # B
     Config(inner="adam", local_clipnorm=CLIPNORM, model="embedding"),    # C
     Config(inner="adam", second_moment="global", precondition="after", replicas=4),
+    # "global" averaged (the default before each replica's own estimate).
+    Config(inner="adam", second_moment="global", second_moment_interval="doubling",
+           replicas=2, model="embedding"),
     # Adam inside local steps with each replica's estimate of the global second moment
     # (the default): an Embedding's slices, AdamW's decay, a round cut by set_weights.
     Config(inner="adamw", local_steps=3, replicas=2, model="embedding", weight_decay=True),
@@ -525,6 +549,7 @@ def learning_rate_at(c: Config, iterations: int) -> float:
 def make_wrapper(c: Config, devices_per_worker="config"):
   kwargs = dict(exchange=c.exchange, second_moment=c.second_moment,
                 precondition=c.precondition, local_steps=c.local_steps,
+                second_moment_interval=c.second_moment_interval,
                 start_step=c.start_step, local_clipnorm=c.local_clipnorm,
                 devices_per_worker=(c.devices_per_worker if devices_per_worker == "config"
                                     else devices_per_worker))
@@ -795,12 +820,14 @@ def _mean_gradients(grads_per_replica):
 
 def shares_moment(c: Config) -> bool:
   """Whether the replicas of ``c`` share Adam's second moment (averaged in bfloat16)."""
-  return resolved_second_moment(c) in ("shared", "global") and c.local_steps == 1
+  return (resolved_second_moment(c) in ("shared", "global") and c.local_steps == 1
+          and not estimates_own_moment(c))
 
 
 def EstimatedGlobalAdam(inner, replicas):  # pylint: disable=invalid-name
-  """``inner`` (a new Keras Adam or AdamW) as one replica's optimizer inside local steps
-  with ``second_moment="global"`` (tf_adacomp.steps.estimated_adam's docstring): Keras'
+  """``inner`` (a new Keras Adam or AdamW) as one replica's optimizer with
+  ``second_moment="global"`` inside local steps or at every step with nothing averaged
+  (the default; tf_adacomp.steps.estimated_adam's docstring): Keras'
   step (its schedule, weight decay, IndexedSlices squares), divided by the replica's
   estimate of the global batch's second moment from its own moments, in float32."""
 
@@ -948,7 +975,7 @@ class Replay:
 
   def _inner(self, ema):
     optimizer = make_inner(self.c, ema=ema)
-    if self.c.local_steps > 1 and resolved_second_moment(self.c) == "global":
+    if estimates_own_moment(self.c):
       optimizer = EstimatedGlobalAdam(optimizer, self.replicas)
     if self.c.weight_decay and self.exclude_bias:
       optimizer.exclude_from_weight_decay(var_names=["bias"])

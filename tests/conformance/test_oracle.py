@@ -114,7 +114,7 @@ def test_precondition_after_is_before_without_compression(mode, tmp_path):
   runs = []
   for precondition in ("before", "after"):
     config = oracle.Config(inner="adam", second_moment=mode, precondition=precondition,
-                           replicas=2, steps=8)
+                           second_moment_interval="doubling", replicas=2, steps=8)
     runs.append(oracle.train(config, True, str(tmp_path / precondition)))
   oracle.compare(config, runs[1], runs[0], how=oracle.FLOAT)
 
@@ -150,6 +150,10 @@ MUTATIONS = {
     "shared_moment.global_moment estimates one replica's moment": (
         shared_moment, "global_moment", _global_moment_of_one_replica,
         oracle.Config(inner="adam", local_steps=3, replicas=2, event="set_weights")),
+    # The same at every step (the default for Adam: nothing averaged).
+    "shared_moment.global_moment estimates one replica's moment, every step": (
+        shared_moment, "global_moment", _global_moment_of_one_replica,
+        oracle.Config(inner="adamw", replicas=2, weight_decay=True)),
 }
 
 

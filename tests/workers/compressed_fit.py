@@ -6,8 +6,9 @@ Usage: ``compressed_fit.py RUN [RUN ...]``, each RUN one of
     ``tf_adacomp.CompressedOptimizer`` (a registered name, e.g. ``none`` or ``adacomp``;
     "sum" or "adasum"; "gradient" or "delta");
   - ``adam+plain``: Adam (``ADAM_LEARNING_RATE``) instead of the SGD, no wrapper;
-  - ``adam+COMPRESSOR+SECOND_MOMENT``: that Adam wrapped, with the update exchange and
-    ``second_moment=SECOND_MOMENT`` ("local", "shared" or "global");
+  - ``adam+COMPRESSOR+SECOND_MOMENT[+INTERVAL]``: that Adam wrapped, with the update
+    exchange, ``second_moment=SECOND_MOMENT`` ("local", "shared" or "global") and
+    ``second_moment_interval=INTERVAL`` (e.g. "doubling"; default None);
   - ``local+COMPRESSOR+OUTER``: the SGD wrapped with ``local_steps=LOCAL_STEPS`` and
     ``outer_optimizer`` "average" or "nesterov" (``tf_adacomp.local_steps.diloco()``).
 
@@ -45,12 +46,13 @@ LOCAL_STEPS = 5
 def _adam_optimizer(run):
   import tf_adacomp  # pylint: disable=g-import-not-at-top
 
-  _, compressor, *second_moment = run.split("+")
+  _, compressor, *moment = run.split("+")
   inner = keras.optimizers.Adam(ADAM_LEARNING_RATE)
   if compressor == "plain":
     return inner
   return tf_adacomp.CompressedOptimizer(inner, compressor, exchange="updates",
-                                        second_moment=second_moment[0])
+                                        second_moment=moment[0],
+                                        second_moment_interval=(moment + [None])[1])
 
 
 def train(strategy, run, x, y):

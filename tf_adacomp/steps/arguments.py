@@ -48,7 +48,7 @@ class Settings(NamedTuple):
   momentum_masking: bool
   local_clipnorm: Optional[float]
   second_moment: str
-  second_moment_interval: Optional[int]
+  second_moment_interval: Union[None, int, str]
   precondition: str
   local_steps: int
   outer_optimizer: Union[str, keras.optimizers.Optimizer]
@@ -101,8 +101,8 @@ def resolve(wrapper_init, inner_optimizer, compressor, start_step, reduction, ad
       compressor=compressor, start_step=start_step, reduction=reduction, exchange=exchange,
       momentum_masking=momentum_masking, local_clipnorm=local_clipnorm,
       second_moment=second_moment,
-      second_moment_interval=shared_adam.check_interval(second_moment_interval,
-                                                        second_moment, local_steps),
+      second_moment_interval=shared_adam.resolve_interval(
+          second_moment_interval, second_moment, precondition, local_steps),
       precondition=shared_adam.check_no_after_without_average(
           shared_adam.check_precondition(precondition, second_moment, local_steps),
           second_moment_interval),

@@ -7,7 +7,8 @@ algorithm). The wrapper computes Adam's step itself.
   gradient (Adam is not linear in its gradient).
 - "shared": every replica divides by the same second moment, the replicas' mean,
   averaged (a dense bfloat16 all-reduce, counted in the bytes) at steps 1, 2, 4, 8, ...
-  (``second_moment_interval`` caps the interval); the step is then linear in the first
+  (``second_moment_interval`` caps the interval: the default for "shared" and for
+  ``precondition="after"``); the step is then linear in the first
   moment, and without compression every replica takes Adam's step on the mean gradient
   with that second moment (1-bit Adam's and 0/1 Adam's observation). Between averages
   each replica's step is clipped to Adam's own bound on a step (the shared moment is
@@ -33,7 +34,7 @@ A step whose gradient is not finite on some replica, or whose combined step is n
 changes nothing (weights, moments, residues, ``iterations``).
 
 Also the arguments of that choice: ``resolve_second_moment``, ``default_second_moment``,
-``check_interval``, ``check_precondition``.
+``resolve_interval``, ``check_precondition``.
 """
 
 import tensorflow as tf
@@ -44,6 +45,13 @@ from tf_adacomp.ops import fused
 
 # What ``second_moment=None`` means for an Adam or AdamW under the update exchange.
 DEFAULT_SECOND_MOMENT = "global"
+# ``second_moment_interval``'s schedule of averages at steps 1, 2, 4, 8, ... (no cap).
+DOUBLING = "doubling"
+# What ``second_moment_interval=None`` means, per second moment: "global" averages
+# nothing (each replica's own estimate at every step: at Keras' accuracy on the LSTM and
+# the small GPT, where the averages' age cost the LSTM 1.5-2 points, and no dense moment
+# bytes; docs/convergence.md); "shared" has no estimate of its own and is averaged.
+DEFAULT_INTERVAL = {"global": 0, "shared": DOUBLING}
 PRECONDITIONS = ("before", "after")
 
 
@@ -54,7 +62,7 @@ class SharedMoment:
     guard, inner: as ``steps.updates.UpdateExchange``.
     second_moment: "shared" or "global".
     precondition: "before" or "after".
-    interval: None or the longest number of steps between averages.
+    interval: ``DOUBLING`` or the longest number of steps between averages.
     shared_velocities: per variable, the shared second moment (equal on every replica).
     moment_synced_at: int64 variable, the step of the last average (0: never).
     momentum_squares: with "global", per variable each replica's moment of m^2.
@@ -108,7 +116,7 @@ class SharedMoment:
       sync = stepped
     else:
       sync = tf.logical_and(stepped, tf.logical_or(
-          shared_moment.is_sync_step(t, self.interval), tf.equal(old_synced_at, 0)))
+          shared_moment.is_sync_step(t, max_interval(self.interval)), tf.equal(old_synced_at, 0)))
     synced_at = tf.where(sync, t, old_synced_at)
     averaged = ["v", "w"] if "w" in tracked else ["v"]
 
@@ -250,12 +258,25 @@ def default_second_moment(inner_optimizer, exchange="updates", reduction="sum",
   return DEFAULT_SECOND_MOMENT
 
 
-def check_interval(interval, second_moment, local_steps=1):
-  """``second_moment_interval`` checked: None; 0 with "global" (nothing averaged: each
-  replica estimates the global batch's moment from its own, as it does inside local
-  steps); or an int >= 1 with a moment averaged every step (not with local steps)."""
+def resolve_interval(interval, second_moment, precondition="before", local_steps=1):
+  """``second_moment_interval`` checked and resolved (``CompressedOptimizer``'s docstring).
+
+  Returns:
+    0 (nothing averaged: each replica divides by its own estimate of the global batch's
+    second moment, ``steps.estimated_adam``), ``DOUBLING`` (averages at steps 1, 2, 4,
+    8, ...), an int >= 1 (as ``DOUBLING`` up to that interval, then every that many
+    steps), or None where no moment is shared (``second_moment="local"``).
+    None resolves to ``DEFAULT_INTERVAL[second_moment]``, except that
+    ``precondition="after"`` (which divides by the shared moment) takes ``DOUBLING``.
+
+  Raises:
+    ValueError: a value not of these; 0 without "global"; an average with local steps
+      (each replica estimates its own) or without a shared moment.
+  """
   if interval is None:
-    return None
+    if second_moment == "global" and precondition == "after":
+      return DOUBLING
+    return DEFAULT_INTERVAL.get(second_moment)
   if checks.is_int(interval) and not isinstance(interval, bool) and interval == 0:
     if second_moment != "global":
       raise ValueError("`second_moment_interval=0` (each replica estimates the global "
@@ -263,7 +284,12 @@ def check_interval(interval, second_moment, local_steps=1):
                        "second_moment='global'. Received: second_moment_interval=0, "
                        f"second_moment={second_moment!r}")
     return 0
-  interval = checks.positive_int(interval, "second_moment_interval")
+  if interval != DOUBLING:
+    try:
+      interval = checks.positive_int(interval, "second_moment_interval")
+    except (TypeError, ValueError) as error:
+      raise ValueError(f"`second_moment_interval` must be None, 0, {DOUBLING!r} or an int "
+                       f">= 1. Received: second_moment_interval={interval!r}") from error
   if local_steps > 1:
     raise ValueError("`second_moment_interval` is the longest interval between averages "
                      "of the shared second moment; with local steps each replica "
@@ -277,6 +303,11 @@ def check_interval(interval, second_moment, local_steps=1):
                      f"Received: second_moment_interval={interval!r}, "
                      f"second_moment={second_moment!r}")
   return interval
+
+
+def max_interval(interval):
+  """``shared_moment.is_sync_step``'s ``max_interval`` for a resolved interval."""
+  return None if interval == DOUBLING else interval
 
 
 def estimates_own_moment(second_moment, interval, local_steps) -> bool:
