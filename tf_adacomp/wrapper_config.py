@@ -61,8 +61,8 @@ def keras3_arguments(config, custom_objects):
   if (config["second_moment"] in ("shared", "global")
       and config.get("second_moment_interval") is None
       and config.get("local_steps", 1) in (None, 1)):
-    # Saved when a shared moment's None meant averages at steps 1, 2, 4, ... (now
-    # written out as "doubling"; None now means none for "global"): the same training,
-    # and the same variables to load (the shared moment's).
+    # Saved when a shared moment's None meant averages at steps 1, 2, 4, ... (written
+    # out as "doubling" now that None means 0 for "global"): the same training, and the
+    # same variables to load (the shared moment's).
     config["second_moment_interval"] = shared_adam.DOUBLING
   return inner, config

@@ -115,8 +115,8 @@ class SharedMoment:
     if replicas == 1:  # the average of one is free: take it every step (plain Adam)
       sync = stepped
     else:
-      sync = tf.logical_and(stepped, tf.logical_or(
-          shared_moment.is_sync_step(t, max_interval(self.interval)), tf.equal(old_synced_at, 0)))
+      on_schedule = shared_moment.is_sync_step(t, max_interval(self.interval))
+      sync = tf.logical_and(stepped, tf.logical_or(on_schedule, tf.equal(old_synced_at, 0)))
     synced_at = tf.where(sync, t, old_synced_at)
     averaged = ["v", "w"] if "w" in tracked else ["v"]
 
