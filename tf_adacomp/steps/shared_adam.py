@@ -17,7 +17,10 @@ algorithm). The wrapper computes Adam's step itself.
   unclipped.
 - "global": as "shared", with the second moment of the mean gradient estimated from the
   replicas' own (a replica's smaller batch has R times its noise); it also keeps a
-  moving average of each replica's squared first moment.
+  moving average of each replica's squared first moment. Here only when averaged
+  (``second_moment_interval`` "doubling" or an int); by default (0) each replica makes
+  the estimate from its own moments and nothing is averaged (not here:
+  ``steps.estimated_adam``).
 
 An Embedding's sparse gradient adds its slices' squares, as Keras' Adam does (clipped by
 ``local_clipnorm`` it is dense, as Keras' ``global_clipnorm`` makes it). With one
