@@ -1,15 +1,18 @@
-"""Adam inside local steps with the global batch's second moment, estimated by each
-replica from its own moments (``local_steps`` > 1 with ``second_moment="global"``).
+"""Adam with the global batch's second moment, estimated by each replica from its own
+moments (``second_moment="global"`` inside local steps, and at every step by default:
+``second_moment_interval=0``).
 
-Within a round each replica takes Adam's steps on its own gradient, from a batch R
-times smaller than the global one. Its own second moment ``v_r`` then holds R times the
+Each replica takes Adam's steps on its own gradient (within a round, or at every step
+before the replicas' steps are averaged), from a batch R times smaller than the global
+one. Its own second moment ``v_r`` then holds R times the
 gradient noise that Adam on the global batch would divide by, and its steps are smaller
 wherever the gradient is noisy: the mean of the replicas' steps is not Adam's step on
 the global batch, and local Adam falls behind (docs/convergence.md). Each replica
 instead divides by ``shared_moment.global_moment(v_r, w_r, R)``, the estimate of the
 mean gradient's second moment from its own ``v_r`` (moving average of g^2) and ``w_r``
-(of its bias-corrected first moment squared), which "global" computes from the
-replicas' averages. Nothing crosses devices for it: the estimate is each replica's own.
+(of its bias-corrected first moment squared), which "global" with averages computes
+from the replicas' means. Nothing crosses devices for it: the estimate is each
+replica's own.
 
 Per replica and step ``t`` (1-based), with ``g`` its own mean gradient:
 
