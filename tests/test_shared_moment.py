@@ -7,7 +7,9 @@ replica's weights, moments and residues are compared with a NumPy replay of the
 algorithm in shared_moment's docstring.
 """
 
+import json
 import math
+import zipfile
 
 import keras
 import numpy as np
@@ -448,8 +450,6 @@ def test_a_keras_file_saved_with_the_averages_loads_them(tmp_path):
 
 def _rewrite_keras_config(path, **optimizer_config):
   """Replaces entries of the optimizer's config inside a ``.keras`` file."""
-  import json  # pylint: disable=import-outside-toplevel
-  import zipfile  # pylint: disable=import-outside-toplevel
   with zipfile.ZipFile(path) as archive:
     files = {name: archive.read(name) for name in archive.namelist()}
   config = json.loads(files["config.json"])
