@@ -481,6 +481,8 @@ def _rewrite_keras_config(path, **optimizer_config):
     (None, {"second_moment_interval": -1}, r"second_moment_interval=-1"),
     (None, {"second_moment_interval": 2.5}, r"second_moment_interval=2.5"),
     (None, {"second_moment_interval": "weekly"}, r"second_moment_interval='weekly'"),
+    (None, {"second_moment_interval": np.array([1, 2])},
+     r"second_moment_interval=array\(\[1, 2\]\)"),
     (None, {"second_moment_interval": "doubling", "local_steps": 2},
      r"second_moment_interval='doubling', local_steps=2"),
     (None, {"second_moment": "local", "second_moment_interval": "doubling"},

@@ -287,7 +287,7 @@ def resolve_interval(interval, second_moment, precondition="before", local_steps
                        "second_moment='global'. Received: second_moment_interval=0, "
                        f"second_moment={second_moment!r}")
     return 0
-  if interval != DOUBLING:
+  if not (isinstance(interval, str) and interval == DOUBLING):  # an array has no one truth
     try:
       interval = checks.positive_int(interval, "second_moment_interval")
     except (TypeError, ValueError) as error:
