@@ -245,8 +245,7 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
         "CompressedOptimizer", lambda: int(self.iterations.numpy()) >= first_exchange)
     self._compile_log.start()
     self._scaling_watch = wrapper_stats.watch_scaling(self)
-    if shared_adam.estimates_own_moment(self.second_moment, self.second_moment_interval,
-                                        self.local_steps):
+    if self.estimates_own_moment:
       # Each replica's moment of its squared first moment (steps.estimated_adam).
       self.momentum_squares = make.like(var_list, "momentum_square")
     elif self.second_moment in ("shared", "global"):
@@ -287,8 +286,7 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
                             on_traced=self._compile_log.traced,
                             choice=None if whole_step else self._choice)
     inner = inner_lib.KerasInner(self.inner_optimizer, self.local_clipnorm)
-    if shared_adam.estimates_own_moment(self.second_moment, self.second_moment_interval,
-                                        self.local_steps):
+    if self.estimates_own_moment:
       inner = estimated_adam.EstimatedGlobalAdam(
           self.inner_optimizer, self.local_clipnorm, self.momentum_squares,
           self._trainable_variables, self._distribution_strategy.num_replicas_in_sync)
@@ -315,6 +313,14 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
   def variables(self):
     outer = [] if isinstance(self.outer_optimizer, str) else self.outer_optimizer.variables
     return self._variables + self.inner_optimizer.variables + outer
+
+  @property
+  def estimates_own_moment(self):
+    """Whether each replica divides by its own estimate of the global batch's second
+    moment, nothing averaged (``second_moment="global"`` with ``second_moment_interval=0``,
+    the default, or inside local steps; ``steps.estimated_adam``)."""
+    return shared_adam.estimates_own_moment(self.second_moment, self.second_moment_interval,
+                                            self.local_steps)
 
   @property
   def replica_state(self):

@@ -12,7 +12,6 @@ import numpy as np
 from tf_adacomp import compile_log
 from tf_adacomp import scaling
 from tf_adacomp import stats
-from tf_adacomp.steps import shared_adam
 
 _SCALING_PAUSE_MAX_S = 30.0
 
@@ -78,9 +77,7 @@ def moment_bytes(optimizer):
   """``CompressedOptimizer.moment_bytes`` (its docstring says what it returns)."""
   if not optimizer.built or optimizer.second_moment not in ("shared", "global"):
     return None
-  if shared_adam.estimates_own_moment(optimizer.second_moment,
-                                      optimizer.second_moment_interval,
-                                      optimizer.local_steps):  # nothing is averaged
+  if optimizer.estimates_own_moment:  # nothing is averaged
     return [0] * len(optimizer.plans)
   replicas = optimizer._distribution_strategy.num_replicas_in_sync  # pylint: disable=protected-access
   synced = (int(optimizer.moment_synced_at.numpy())
