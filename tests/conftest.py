@@ -11,9 +11,12 @@
   collectives on a 2-core machine.
 """
 
+import json
 import os
+import resource
 import shutil
 import tempfile
+import time
 
 import pytest
 
@@ -223,3 +226,37 @@ def pytest_runtest_logfinish(nodeid, location):
         f"process ends, and TensorFlow segfaults at the limit. Run the tests in more "
         f"processes (pytest -n 4), or raise the limit (sysctl -w "
         f"vm.max_map_count=262144).", returncode=3)
+
+
+# The suite's time on a 2-core machine is its CPU-seconds over 2 (docs/development.md):
+# TF_ADACOMP_CPU_LOG=FILE appends, for each test, a JSON line with the CPU-seconds of its
+# own process and of the processes it started and waited for, to find where they go.
+_CPU_LOG = os.environ.get("TF_ADACOMP_CPU_LOG")
+
+
+def cpu_seconds():
+  """``(this process, its waited-for children)``: user + system CPU-seconds so far."""
+  own = resource.getrusage(resource.RUSAGE_SELF)
+  children = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+
+
+def cpu_record(nodeid, before, after, wall):
+  """One line of the CPU log: a test's CPU-seconds from two ``cpu_seconds()`` readings."""
+  return json.dumps({"test": nodeid, "own": round(after[0] - before[0], 3),
+                     "children": round(after[1] - before[1], 3), "wall": round(wall, 3),
+                     "pid": os.getpid()})
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  """With TF_ADACOMP_CPU_LOG=FILE: each test's CPU (set-up, call and tear-down) to FILE."""
+  del nextitem
+  if not _CPU_LOG:
+    yield
+    return
+  before, start = cpu_seconds(), time.perf_counter()
+  yield
+  line = cpu_record(item.nodeid, before, cpu_seconds(), time.perf_counter() - start)
+  with open(_CPU_LOG, "a") as log:
+    log.write(line + "\n")
