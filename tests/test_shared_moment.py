@@ -9,6 +9,7 @@ algorithm in shared_moment's docstring.
 
 import json
 import math
+import re
 import zipfile
 
 import keras
@@ -447,6 +448,59 @@ def test_a_keras_file_saved_with_the_averages_loads_them(tmp_path):
     np.testing.assert_array_equal(a.numpy(), b.numpy())
   assert np.any(optimizer.shared_velocities[0].numpy())
 
+
+
+def _by_role(optimizer):
+  """``{(wrapper or inner, the variable's own name): value}`` of every optimizer variable."""
+  inner = {id(v) for v in optimizer.inner_optimizer.variables}
+  def name(v):  # the same in another model of the same layers
+    return re.sub(r"(sequential|dense)_\d+", r"\1", v.path.rsplit("/", 1)[-1])
+  return {("inner" if id(v) in inner else "wrapper", name(v)): v.numpy()
+          for v in optimizer.variables}
+
+
+@pytest.mark.parametrize("build_first", [False, True])
+def test_a_checkpoint_saved_with_the_averages_resumes_into_the_default(
+    tmp_path, monkeypatch, build_first):
+  # A tf.train.Checkpoint of a release whose "global" averaged by default: it matched
+  # the wrapper's variables by their places in Keras' list, which the default (no shared
+  # moment) fills otherwise. Restored now, each variable gets its own saved value (by
+  # name); the shared moment, which the default does not have, is left out, and so is
+  # the choice of exchange, which that release kept only in the list.
+  replicas = 2
+  x, y = data(replicas, 2)
+  strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES[:replicas])
+  with strategy.scope():
+    model = linear_model()
+    model.compile(optimizer=_shared(compressor="adacomp", mode="global")(), loss="mse")
+  with monkeypatch.context() as release:  # the checkpoint that release wrote
+    release.setattr(tf_adacomp.CompressedOptimizer, "_trackable_children",
+                    keras.optimizers.Adam._trackable_children)
+    model.fit(x, y, batch_size=PER_REPLICA * replicas, verbose=0, shuffle=False)
+    path = tf.train.Checkpoint(model=model).save(str(tmp_path / "old"))
+  saved = _by_role(model.optimizer)
+  with strategy.scope():
+    resumed = linear_model()
+    resumed.compile(optimizer=tf_adacomp.CompressedOptimizer(
+        keras.optimizers.Adam(**ADAM), "adacomp", exchange="updates",
+        second_moment="global"), loss="mse")
+  assert resumed.optimizer.dense_when_faster  # its choice's variables fill the old places
+  checkpoint = tf.train.Checkpoint(model=resumed)
+  with strategy.scope():
+    if build_first:
+      resumed.optimizer.build(resumed.trainable_variables)
+      checkpoint.restore(path)
+    else:
+      checkpoint.restore(path)  # deferred: each variable when the optimizer makes it
+      resumed.optimizer.build(resumed.trainable_variables)
+  restored = _by_role(resumed.optimizer)
+  assert resumed.optimizer.second_moment_interval == 0
+  kept = [key for key in restored if "exchange_choice" not in key[1]]
+  assert any("momentum_square" in name for _, name in kept)
+  assert any("residue" in name for _, name in kept)
+  for key in kept:
+    np.testing.assert_array_equal(restored[key], saved[key], err_msg=str(key))
+  assert np.any(restored["inner", "iteration"])
 
 def _rewrite_keras_config(path, **optimizer_config):
   """Replaces entries of the optimizer's config inside a ``.keras`` file."""

@@ -32,6 +32,7 @@ from tf_adacomp import local_steps as local_steps_lib
 from tf_adacomp import replica_state
 from tf_adacomp import wrapper_config
 from tf_adacomp import wrapper_stats
+from tf_adacomp.compat import internals
 from tf_adacomp.compat import keras_multi_worker
 from tf_adacomp.compat import loss_scale
 from tf_adacomp.compressors import registry
@@ -262,6 +263,8 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
       # The weights every replica held when the round began (equal on all).
       self.anchors = make.like(var_list, "anchor", "only_first_replica")
     self._choice = choice_lib.Choice(make, var_list[0]) if self.dense_when_faster else None
+    if self._choice is not None:
+      self.exchange_choice_state = self._choice.checkpointed  # by name in a checkpoint
     inner_lib.build(self.inner_optimizer, var_list, per_replica=self.exchange == "updates",
                     outer_optimizer=self.outer_optimizer)
     self._reading_own_settings = True  # no accumulators here: the inner optimizer has them
@@ -308,6 +311,16 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
                                    per_replica=self.exchange == "updates")
     # The inner optimizer's EMA, if any, follows the exchanged weights (tf_adacomp.ema).
     return ema.AfterExchange(step) if self.inner_optimizer.use_ema else step
+
+  def _trackable_children(self, save_type="checkpoint", **kwargs):
+    # A tf.train.Checkpoint matches the wrapper's own variables by their names here
+    # (residues/0/0, momentum_squares/1, exchange_choice_state/phase, ...), not by their
+    # places in Keras' list: which variables there are depends on the settings, and
+    # matched by place a checkpoint written with other settings (or by an earlier
+    # release: the shared moment's averages) restored one variable's value into another
+    # (or failed on a dtype). A variable the checkpoint lacks keeps its initial value.
+    return internals.checkpoint_children_by_name(
+        super()._trackable_children(save_type, **kwargs), save_type)
 
   @property
   def variables(self):

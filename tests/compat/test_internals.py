@@ -407,6 +407,22 @@ def test_track_variable_makes_a_variable_the_optimizers_own():
                    "a tracked variable is in optimizer.variables (so checkpoints save it)")
 
 
+
+def test_an_optimizers_checkpoint_children_hold_its_variables_list_by_name():
+  # CompressedOptimizer._trackable_children drops that list from a checkpoint's children
+  # (compat.internals.checkpoint_children_by_name): under another name it would stay,
+  # and a checkpoint would match the wrapper's variables by place again.
+  name = "`Trackable._trackable_children` of a Keras optimizer"
+  user = "CompressedOptimizer._trackable_children"
+  optimizer, _ = _built(keras.optimizers.SGD(0.1, momentum=0.9))
+  with canaries.watching(name, user):
+    children = optimizer._trackable_children("checkpoint")  # pylint: disable=protected-access
+  canaries.require("_variables" in children, name, user,
+                   f"the optimizer's variables list is the child '_variables': {sorted(children)}")
+  canaries.require(
+      "_variables" not in internals.checkpoint_children_by_name(children, "checkpoint"),
+      name, user, "checkpoint_children_by_name drops it")
+
 def test_variables_is_the_optimizers_own_list():
   name, user = "`Optimizer._variables`", "CompressedOptimizer.variables"
   optimizer, _ = _built(keras.optimizers.SGD(0.1, momentum=0.9))

@@ -92,6 +92,8 @@ they are used; their canaries are in ``tests/compat/test_internals.py`` too:
     (``keras/src/optimizers/base_optimizer.py``, ``keras/src/backend/tensorflow/optimizer.py``).
   - ``_check_variables_are_known``: Keras' "Unknown variable" ValueError, raised by
     ``apply`` before a step on a variable it was not built with.
+- ``optimizer.py``: ``tf.__internal__.tracking.Trackable._trackable_children`` (the
+  checkpoint children of the Keras 3 wrapper: ``checkpoint_children_by_name``).
 - ``tf_keras.py``: ``tf_keras.optimizers.legacy.Optimizer._create_all_weights`` (a legacy
   inner optimizer's build) and ``tf.__internal__.tracking.AutoTrackable._trackable_children``
   (the wrapper's checkpoint children, past tf_keras' cached answer).
@@ -381,6 +383,15 @@ for _name in (ALL_REDUCE_SUMMED, ALL_REDUCE_LOCAL):
   patches.register(patches.InstancePatch(name=_name, attribute=ALL_REDUCE_METHOD,
                                          wrap=_wrap_all_reduce))
 del _name
+
+
+def checkpoint_children_by_name(children: dict, save_type: str) -> dict:
+  """A Keras 3 optimizer's ``Trackable._trackable_children`` (``children``) without its
+  list ``_variables`` in a checkpoint: its variables are then matched by the names
+  under which the optimizer holds them, not by their places in that list."""
+  if save_type == "checkpoint":
+    children = {name: child for name, child in children.items() if name != "_variables"}
+  return children
 
 
 def checkpoint_child(obj, name: str):

@@ -105,6 +105,11 @@ class Choice:
     self.scouted = one("scouted", [], tf.float64, "mean")
     # 1 where the last step was dense (``ChosenStep``: the replicas' states are equal).
     self.last_dense = one("last_dense", [], tf.int64, "only_first_replica")
+    # The saved ones by name, for the wrapper's checkpoint (its ``_trackable_children``).
+    self.checkpointed = tf.__internal__.tracking.AutoTrackable()
+    for name in ("phase", "count", "chosen", "recheck", "periods", "medians", "scouted",
+                 "last_dense"):
+      setattr(self.checkpointed, name, getattr(self, name))
 
   def exchange(self, plans, values, states, compressed):
     """This exchange, compressed (``compressed(values, states)``, an ``Exchanged``) or
