@@ -449,7 +449,6 @@ def test_a_keras_file_saved_with_the_averages_loads_them(tmp_path):
   assert np.any(optimizer.shared_velocities[0].numpy())
 
 
-
 def _by_role(optimizer):
   """``{(wrapper or inner, the variable's own name): value}`` of every optimizer variable."""
   inner = {id(v) for v in optimizer.inner_optimizer.variables}
@@ -501,6 +500,7 @@ def test_a_checkpoint_saved_with_the_averages_resumes_into_the_default(
   for key in kept:
     np.testing.assert_array_equal(restored[key], saved[key], err_msg=str(key))
   assert np.any(restored["inner", "iteration"])
+
 
 def _rewrite_keras_config(path, **optimizer_config):
   """Replaces entries of the optimizer's config inside a ``.keras`` file."""

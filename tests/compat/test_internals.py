@@ -407,7 +407,6 @@ def test_track_variable_makes_a_variable_the_optimizers_own():
                    "a tracked variable is in optimizer.variables (so checkpoints save it)")
 
 
-
 def test_an_optimizers_checkpoint_children_hold_its_variables_list_by_name():
   # CompressedOptimizer._trackable_children drops that list from a checkpoint's children
   # (compat.internals.checkpoint_children_by_name): under another name it would stay,
@@ -422,6 +421,7 @@ def test_an_optimizers_checkpoint_children_hold_its_variables_list_by_name():
   canaries.require(
       "_variables" not in internals.checkpoint_children_by_name(children, "checkpoint"),
       name, user, "checkpoint_children_by_name drops it")
+
 
 def test_variables_is_the_optimizers_own_list():
   name, user = "`Optimizer._variables`", "CompressedOptimizer.variables"

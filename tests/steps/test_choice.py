@@ -139,6 +139,36 @@ def test_a_restored_probe_does_not_count_the_time_between_the_save_and_the_resto
   assert described["dense_step_seconds"] == pytest.approx(0.020)
 
 
+
+def test_a_checkpoint_restores_the_choice_by_name(tmp_path):
+  # tf.train.Checkpoint matches the wrapper's variables by name (CompressedOptimizer.
+  # _trackable_children): the choice's state is under exchange_choice_state, so a probe
+  # under way resumes where it was.
+  def compiled():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input([4]), keras.layers.Dense(2)])
+    model.compile(tf_adacomp.CompressedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    return model
+
+  def state(optimizer):
+    return {v.path.rsplit("/", 1)[-1].split("exchange_choice_")[-1]: v.numpy()
+            for v in optimizer.variables if "exchange_choice_" in v.path}
+
+  model = compiled()
+  rng = np.random.default_rng(0)
+  model.fit(rng.random((24, 4)), rng.random((24, 2)), batch_size=4, verbose=0)
+  saved = state(model.optimizer)
+  assert saved["count"] == 6 and set(saved) == {
+      "phase", "count", "chosen", "recheck", "periods", "medians", "scouted", "last_dense"}
+  path = tf.train.Checkpoint(model=model).save(str(tmp_path / "ckpt"))
+  resumed = compiled()
+  tf.train.Checkpoint(model=resumed).restore(path)
+  resumed.optimizer.build(resumed.trainable_variables)
+  restored = state(resumed.optimizer)
+  assert set(restored) == set(saved)
+  for name, value in saved.items():
+    np.testing.assert_array_equal(restored[name], value, err_msg=name)
+
 def _drive_scouted(choice, exchanges, compressed_s, scouted_s):
   """``_drive`` where every scout estimated a dense exchange at ``scouted_s``."""
   choice.scouted.assign(scouted_s)
