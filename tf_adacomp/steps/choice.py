@@ -86,9 +86,15 @@ class Choice:
   """
 
   def __init__(self, make, reference):
+    # The saved ones by name, for the wrapper's checkpoint (its ``_trackable_children``).
+    self.checkpointed = tf.__internal__.tracking.AutoTrackable()
+
     def one(suffix, shape, dtype, aggregation, saved=True):
-      return make.one(reference, tf.TensorSpec(shape, dtype), f"exchange_choice_{suffix}",
-                      aggregation=aggregation, saved=saved)
+      variable = make.one(reference, tf.TensorSpec(shape, dtype),
+                          f"exchange_choice_{suffix}", aggregation=aggregation, saved=saved)
+      if saved:
+        setattr(self.checkpointed, suffix, variable)
+      return variable
 
     self.phase = one("phase", [], tf.int64, "only_first_replica")
     self.count = one("count", [], tf.int64, "only_first_replica")
@@ -105,11 +111,6 @@ class Choice:
     self.scouted = one("scouted", [], tf.float64, "mean")
     # 1 where the last step was dense (``ChosenStep``: the replicas' states are equal).
     self.last_dense = one("last_dense", [], tf.int64, "only_first_replica")
-    # The saved ones by name, for the wrapper's checkpoint (its ``_trackable_children``).
-    self.checkpointed = tf.__internal__.tracking.AutoTrackable()
-    for name in ("phase", "count", "chosen", "recheck", "periods", "medians", "scouted",
-                 "last_dense"):
-      setattr(self.checkpointed, name, getattr(self, name))
 
   def exchange(self, plans, values, states, compressed):
     """This exchange, compressed (``compressed(values, states)``, an ``Exchanged``) or
