@@ -16,7 +16,9 @@ CompressedOptimizer's exchange; ``+H8`` runs rounds of 8 local steps whose
 pseudo-updates are compressed, exchanged and averaged (local_steps=8,
 outer_optimizer="average"); ``+H8+nesterov`` steps them with DiLoCo's outer Nesterov
 SGD instead. With local steps the workers evaluate (and stop) only at round ends.
-``+flat`` gives CompressedOptimizer ``hierarchical=False`` (below). ``+perlog`` averages
+``+flat`` gives CompressedOptimizer ``hierarchical=False`` (below). ``+steplog`` (with
+``+H``) averages the logs across workers on every step, as the library did before it
+averaged them at round ends only (``tf_adacomp.step_logs``). ``+perlog`` averages
 the logs across workers with one all-reduce per logged value, as the library did before
 it packed them into one (a baseline: network_worker.py). ``+auto`` gives
 CompressedOptimizer ``dense_when_faster=True``: the faster of the compressed exchange
@@ -166,8 +168,9 @@ Variant = collections.namedtuple(
 VARIANT_SYNTAX = ("a compressor's suffixes are +gradients or +updates (the exchange), "
                   "+H<steps> (local steps, an integer >= 1), +nesterov (with +H: "
                   "DiLoCo's outer Nesterov SGD), +flat (hierarchical=False), +auto "
-                  "(dense_when_faster=True) and +perlog (the logs averaged with one "
-                  "all-reduce per value, the old way), each at most once")
+                  "(dense_when_faster=True), +perlog (the logs averaged with one "
+                  "all-reduce per value, the old way) and +steplog (with +H: the logs "
+                  "averaged on every step, not at round ends only), each at most once")
 
 
 def _read_json(path):
@@ -248,8 +251,10 @@ def split_variant(variant):
       outer = "nesterov"
     elif suffix == "flat":
       hierarchical = False
-    elif suffix == "perlog":
+    elif suffix == "perlog" and log_reduction is None:
       log_reduction = "per_value"
+    elif suffix == "steplog" and log_reduction is None:
+      log_reduction = "every_step"
     elif suffix == "auto":
       auto = True
     else:
@@ -266,6 +271,10 @@ def split_variant(variant):
   if local_steps is not None and exchange == "gradients":
     raise ValueError(f"+H (local steps) exchanges pseudo-updates, not gradients: drop "
                      f"+gradients. Received: compressor={variant!r}")
+  if log_reduction == "every_step" and not local_steps:
+    raise ValueError(f"+steplog averages the logs on every step of rounds of local steps "
+                     f"(without them they are anyway): give +H<steps> too (e.g. "
+                     f"adacomp+H8+steplog). Received: compressor={variant!r}")
   if local_steps is not None:
     outer = outer or "average"
   if auto and compressor == DENSE and exchange in (None, "gradients") and not local_steps:

@@ -23,7 +23,9 @@ exchange against the dense all-reduce in the run itself and uses the faster
 
 --log_reduction=per_value averages the step's logs across workers with one all-reduce
 per logged value, as the library did before it packed them into one
-(``compat.keras_multi_worker.mean_over_replicas``): the baseline of that change.
+(``compat.keras_multi_worker.mean_over_replicas``): the baseline of that change;
+--log_reduction=every_step packs them, but on every step even with local steps, as the
+library did before it averaged them at rounds' ends only (``tf_adacomp.step_logs``).
 
 With --netns the worker reads its link's counters (``ip -n NETNS -s -j link show
 --link_device``; benchmarks/netns.py) before training, after step 1 (which may move
@@ -69,9 +71,11 @@ def parse(argv=None):
   parser.add_argument("--auto", action="store_true",
                       help="CompressedOptimizer(dense_when_faster=True): the faster of the "
                       "compressed exchange and the dense all-reduce, measured")
-  parser.add_argument("--log_reduction", default="packed", choices=("packed", "per_value"),
-                      help="multi-worker logs: one all-reduce (the library's) or one per "
-                      "logged value (the baseline)")
+  parser.add_argument("--log_reduction", default="packed",
+                      choices=("packed", "per_value", "every_step"),
+                      help="multi-worker logs: one all-reduce, with local steps at round "
+                      "ends only (the library's); one per logged value; or one every "
+                      "step (the baselines)")
   parser.add_argument("--width", type=int, default=2048, help="MLP hidden width")
   parser.add_argument("--batch_size", type=int, default=64, help="per worker")
   parser.add_argument("--learning_rate", type=float, default=0.05)
@@ -218,6 +222,9 @@ def main(argv=None):
   if args.log_reduction == "per_value":
     from tf_adacomp.compat import keras_multi_worker  # pylint: disable=g-import-not-at-top
     keras_multi_worker.mean_over_replicas = per_value_mean
+  if args.log_reduction in ("per_value", "every_step"):  # every step, local steps or not
+    from tf_adacomp import step_logs  # pylint: disable=g-import-not-at-top
+    step_logs.average_only_when = lambda condition, holder: None
   with strategy.scope():
     model = (build_mlp(args.width) if args.model == "mlp"
              else example.build_model(config, data))

@@ -127,3 +127,22 @@ def test_local_steps_over_grpc_end_each_round_with_identical_workers(runs, run):
     losses = log["history"]["loss"]
     assert losses[-1] < losses[0]
     assert log["evaluation"]["accuracy"] > 0.8 * plain["evaluation"]["accuracy"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["local+adacomp+nesterov", "local+none+average"])
+def test_with_local_steps_the_logs_are_averaged_at_round_ends_and_held_between(runs, run):
+  # Rounds of 5 steps over 2 epochs of 5: averaged across the workers at steps 1 (nothing
+  # held yet), 5 and 10, the last average logged by every worker between
+  # (tf_adacomp.step_logs); the plain optimizer's averaged at every step.
+  _, logs = runs[run]
+  steps = [log["history"]["batch_logs"] for log in logs]
+  assert steps[0] == steps[1]  # every worker logs the same values at every step
+  losses = [step["loss"] for step in steps[0]]
+  assert len(losses) == 10, losses
+  assert losses[1:4] == [losses[0]] * 3 and losses[5:9] == [losses[4]] * 4, losses
+  assert len({losses[0], losses[4], losses[9]}) == 3, losses
+  # The average at an epoch's last step is the epoch's own (Keras reads the metrics then).
+  assert [losses[4], losses[9]] == pytest.approx(logs[0]["history"]["loss"], rel=1e-6)
+  plain = [step["loss"] for step in runs["plain"][1][0]["history"]["batch_logs"]]
+  assert all(a != b for a, b in zip(plain, plain[1:])), plain

@@ -73,7 +73,8 @@ def test_split_variant_auto_reaches_the_worker(variant, auto):
 
 
 @pytest.mark.parametrize("variant,logs", [
-    ("adacomp", None), ("adacomp+H8+perlog", "per_value"), ("none+perlog", "per_value")])
+    ("adacomp", None), ("adacomp+H8+perlog", "per_value"), ("none+perlog", "per_value"),
+    ("adacomp+H8+steplog", "every_step")])
 def test_split_variant_log_reduction_reaches_the_worker(variant, logs):
   assert network.split_variant(variant).log_reduction == logs
   class Args:  # network.py's parsed arguments, as far as worker_argv reads them
@@ -88,7 +89,8 @@ def test_split_variant_log_reduction_reaches_the_worker(variant, logs):
     "adacomp+fast", "adacomp+H0", "adacomp+Hx", "adacomp+H", "adacomp+h8", "adacomp+H-1",
     "adacomp+H8+H8", "adacomp+H8+H16", "adacomp+updates+gradients", "adacomp+nesterov",
     "adacomp+H8+gradients", "+H8", "adacomp+", "adacomp+flat+flat", "adacomp+Flat",
-    "none+flat", "none+gradients+flat", "adacomp+perlog+perlog", "adacomp+Perlog", "none+auto", "adacomp+auto+auto"])
+    "none+flat", "none+gradients+flat", "adacomp+perlog+perlog", "adacomp+Perlog", "none+auto", "adacomp+auto+auto",
+    "adacomp+steplog", "adacomp+H8+steplog+perlog"])
 def test_split_variant_names_the_bad_variant(variant):
   with pytest.raises(ValueError, match="Received: compressor=") as error:
     network.split_variant(variant)

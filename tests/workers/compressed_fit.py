@@ -16,8 +16,8 @@ The runs train one after the other in this process, under one strategy
 (``tf_adacomp.distribute.multi_worker_strategy()``): one cluster start-up for them all.
 Each is the model, data and steps of ``keras_fit.py``, from the same seed. Writes to
 ``$MULTI_WORKER_OUT_DIR``, per run (``:`` in RUN becomes ``-``): ``{run}/worker{i}.npz``
-(final weights and this worker's residues) and ``{run}/worker{i}.json`` (history,
-evaluation, compression statistics of the last step, and the message of every
+(final weights and this worker's residues) and ``{run}/worker{i}.json`` (history, with
+the logs of every step as ``batch_logs``, evaluation, compression statistics of the last step, and the message of every
 ``tf_adacomp.UnsynchronizedWorkersWarning`` the run raised: none, under the strategy).
 """
 
@@ -84,8 +84,20 @@ def train(strategy, run, x, y):
               adasum_mode=adasum_mode),
           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
           metrics=["accuracy"])
-  history, evaluation = keras_fit.fit(model, x, y)
-  return model, history, evaluation
+  batch_logs = BatchLogs()
+  history, evaluation = keras_fit.fit(model, x, y, callbacks=[batch_logs])
+  return model, dict(history, batch_logs=batch_logs.logs), evaluation
+
+
+class BatchLogs(keras.callbacks.Callback):
+  """The logs every step hands the callbacks (``{name: value}`` per step)."""
+
+  def __init__(self):
+    super().__init__()
+    self.logs = []
+
+  def on_train_batch_end(self, batch, logs=None):
+    self.logs.append({k: float(v) for k, v in sorted((logs or {}).items())})
 
 
 def _record_unsynchronized_warnings():

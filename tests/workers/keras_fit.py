@@ -54,9 +54,9 @@ def make_model():
   return model
 
 
-def fit(model, x, y):
+def fit(model, x, y, callbacks=()):
   history = model.fit(make_dataset(x, y), epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH,
-                      shuffle=False, verbose=0)
+                      shuffle=False, verbose=0, callbacks=list(callbacks))
   evaluation = model.evaluate(make_dataset(x, y, repeat=False), verbose=0, return_dict=True)
   return history.history, evaluation
 

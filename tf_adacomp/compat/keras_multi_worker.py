@@ -48,7 +48,9 @@ the original Keras function for everything else:
    stacks the replicas' values on a new axis 0 and averages over it). Metric variables
    in Keras 3 are ``on_read`` (replica-local), so each replica's logs are its own
    running means, and their mean over replicas is the logged value, now the same on
-   every worker. ``"sum"`` and ``"concat"`` (``predict``) are left to Keras.
+   every worker. ``"sum"`` and ``"concat"`` (``predict``) are left to Keras. In a
+   function whose step has rounds of local steps the mean is taken at rounds' ends
+   only, and held between (``tf_adacomp.step_logs``).
 
 With any strategy but MWMS (``MirroredStrategy``, ``OneDeviceStrategy``, the default
 strategy, ...) both wrappers call the originals with the same arguments: the behaviour
@@ -79,6 +81,7 @@ import keras
 import tensorflow as tf
 
 from tf_adacomp import log
+from tf_adacomp import step_logs
 from tf_adacomp.compat import internals
 from tf_adacomp.compat import patches
 from tf_adacomp.compat import versions
@@ -220,7 +223,8 @@ def _wrap_reduce_per_replica(original):
   def reduce_per_replica(values, strategy, reduction):
     if reduction in ("auto", "mean") and in_multi_worker_mode(strategy):
       # "auto" is "mean" for every strategy but TPUStrategy, which is not multi-worker MWMS.
-      return mean_over_replicas(values, strategy)
+      # A step with local steps averages only at its rounds' ends (``step_logs``).
+      return step_logs.mean_or_held(values, strategy, mean_over_replicas)
     return original(values, strategy, reduction)
 
   return reduce_per_replica

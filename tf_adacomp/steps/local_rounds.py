@@ -12,6 +12,7 @@ replica stepped it.
 import tensorflow as tf
 
 from tf_adacomp import local_steps as local_steps_lib
+from tf_adacomp import step_logs
 from tf_adacomp.steps import updates
 
 
@@ -47,6 +48,9 @@ class LocalRounds(updates.UpdateExchange):
     with tf.control_dependencies(anchors + joins):
       self.inner.own_step(own, variables)
     round_end = local_steps_lib.is_round_end(iterations, self.local_steps)
+    # Across workers the logs too are averaged at rounds' ends only (multi-worker MWMS).
+    step_logs.average_only_when(
+        lambda: local_steps_lib.is_round_end(iterations, self.local_steps), self)
     # What this step left, for the next step to tell a `set_weights` from (at a round's
     # end the exchange sets the weights, and the next round begins anew).
     tf.cond(round_end, lambda: tf.constant(False),
