@@ -72,7 +72,8 @@ def mean_or_held(values, strategy, mean):
   entry = _MARKED.get(tf.compat.v1.get_default_graph()) if tf.inside_function() else None
   leaves = keras.tree.flatten(values)
   specs = [_spec(leaf, strategy) for leaf in leaves]
-  if entry is None or not leaves or not all(s.shape.is_fully_defined() for s in specs):
+  if (entry is None or not leaves
+      or not all(s is not None and s.shape.is_fully_defined() for s in specs)):
     return mean(values, strategy)
   condition, holder = entry
   held, valid = _held(holder, specs, strategy)
@@ -91,9 +92,12 @@ def mean_or_held(values, strategy, mean):
 
 
 def _spec(value, strategy):
+  """The shape and dtype of a replica's ``value`` (None for what is not a tensor)."""
   if isinstance(value, tf.distribute.DistributedValues):
     value = strategy.experimental_local_results(value)[0]
-  return tf.TensorSpec(getattr(value, "shape", None), getattr(value, "dtype", None))
+  if not tf.is_tensor(value):
+    return None
+  return tf.TensorSpec(value.shape, value.dtype)
 
 
 def _held(holder, specs, strategy):
