@@ -34,7 +34,8 @@ compression. Local steps: ``adacomp+updates+H8`` (``local_steps=8``; H from 2 to
 ``+nesterov`` (DiLoCo's outer step), and for Adam inside ``+global`` (each replica's
 estimate of the global batch's second moment, the default) or ``+local`` (its own);
 ``adacomp-bin+updates+H8+global`` and ``adacomp-L50+updates+H8+global`` (bins of 50 on
-dense kernels). ``adacomp-tpos``, ``adacomp-tpos+updates``, ``...+H8``, ``...+global``:
+dense and recurrent kernels; also L150, L250 and L500: with Adam inside, the library's
+default is 250, 500 before). ``adacomp-tpos``, ``adacomp-tpos+updates``, ``...+H8``, ``...+global``:
 AdaComp with positions in tensors (``positions="tensor"``, the format before positions in
 bins: the same values, more bytes). Each of them compresses every exchange (``dense_when_faster=False``);
 ``adacomp+auto``, ``adacomp+updates+auto``, ``adacomp+updates+global+auto`` and
@@ -160,10 +161,11 @@ for _h in (2, 4, 8, 16, 32, 64):
       VARIANTS[f"{_compressor}+updates+H{_h}+{_moment}"] = (
           _compressor, {}, {"exchange": "updates", "local_steps": _h,
                             "outer_optimizer": "average", "second_moment": _moment})
-  # AdaComp's per-bin scales, or bins of 50 on dense kernels (more elements a round).
-  for _name, _compressor_options in (("adacomp-bin", {"scale": "bin"}),
-                                     ("adacomp-L50", {"dense_bin_size": 50,
-                                                      "recurrent_bin_size": 50})):
+  # AdaComp's per-bin scales, or bins of L on dense and recurrent kernels (the
+  # default: 250 with Adam inside, 500 otherwise; smaller bins send more a round).
+  for _name, _compressor_options in [("adacomp-bin", {"scale": "bin"})] + [
+      (f"adacomp-L{_l}", {"dense_bin_size": _l, "recurrent_bin_size": _l})
+      for _l in (50, 150, 250, 500)]:
     VARIANTS[f"{_name}+updates+H{_h}+global"] = (
         "adacomp", _compressor_options, {"exchange": "updates", "local_steps": _h,
                                          "outer_optimizer": "average",
@@ -383,8 +385,11 @@ def make_optimizer(variant, s):
     # Every step compressed: the default's choice follows this host's step times, and
     # here the compression's effect on accuracy is measured ("+auto": the default's).
     options = dict(options, dense_when_faster=False)
+  # A name without options, as a user names it: the library resolves it (with Adam inside
+  # local steps, to AdaComp with its rounds' bins).
   return tf_adacomp.CompressedOptimizer(
-      inner, tf_adacomp.get_compressor(compressor, **compressor_options), **options)
+      inner, (tf_adacomp.get_compressor(compressor, **compressor_options)
+              if compressor_options else compressor), **options)
 
 
 # --- One run -------------------------------------------------------------------------

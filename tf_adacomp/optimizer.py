@@ -66,7 +66,10 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
     inner_optimizer: the ``keras.optimizers.Optimizer`` that applies the gradients (its
       learning rate, schedule and slots are used as they are).
     compressor: a ``Compressor``, a registered name ("adacomp", "topk", "fp16", ...)
-      or a serialized compressor. Default "adacomp".
+      or a serialized compressor. Default "adacomp". Named "adacomp" where an Adam or
+      AdamW inside rounds of local steps divides by its estimate (the default there),
+      it is AdaComp with bins of ``local_steps.ADAM_ROUND_BIN_SIZE`` (250) on dense and
+      recurrent kernels, not 500 (``steps.arguments.compressor_of_rounds``).
     start_step: int >= 0; the first ``start_step`` steps exchange dense float32
       gradients (or, with ``exchange="updates"``, each replica's own weight update, whose
       float32 mean every replica applies) as a warm-up before compression begins; fp16

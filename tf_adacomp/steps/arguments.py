@@ -82,7 +82,7 @@ def resolve(wrapper_init, inner_optimizer, compressor, start_step, reduction, ad
   reduction = exchange_lib.check_reduction(reduction)
   exchange = resolve_exchange(reduction, adasum_mode, exchange)
   local_clipnorm = checks.positive_number(local_clipnorm, "local_clipnorm", optional=True)
-  compressor = registry.get_compressor(compressor)
+  named, compressor = compressor, registry.get_compressor(compressor)
   masking_lib.check(momentum_masking, exchange, inner_optimizer, compressor)
   local_steps = local_steps_lib.check_local_steps(local_steps)
   outer_optimizer = local_steps_lib.resolve_outer_optimizer(outer_optimizer)
@@ -97,6 +97,7 @@ def resolve(wrapper_init, inner_optimizer, compressor, start_step, reduction, ad
       second_moment, exchange, reduction, inner_optimizer, momentum_masking, local_steps)
   dense_when_faster = check_dense_when_faster(dense_when_faster, reduction, start_step,
                                               momentum_masking, compressor)
+  compressor = compressor_of_rounds(named, compressor, local_steps, second_moment)
   return Settings(
       compressor=compressor, start_step=start_step, reduction=reduction, exchange=exchange,
       momentum_masking=momentum_masking, local_clipnorm=local_clipnorm,
@@ -110,6 +111,19 @@ def resolve(wrapper_init, inner_optimizer, compressor, start_step, reduction, ad
       hierarchical=hierarchy_lib.check_hierarchical(hierarchical),
       devices_per_worker=hierarchy_lib.check_devices_per_worker(devices_per_worker),
       dense_when_faster=dense_when_faster)
+
+
+def compressor_of_rounds(named, compressor, local_steps, second_moment):
+  """``compressor``, or where it was named "adacomp" (``named``, the argument) and an Adam
+  or AdamW inside rounds of local steps divides by its estimate of the global batch's
+  second moment (``second_moment="global"``), AdaComp with bins of
+  ``local_steps.ADAM_ROUND_BIN_SIZE`` on dense and recurrent kernels (the reason is
+  there). A compressor given as an instance or a config is the user's, as it is."""
+  if (local_steps > 1 and second_moment == "global" and isinstance(named, str)
+      and named.lower() == "adacomp"):
+    size = local_steps_lib.ADAM_ROUND_BIN_SIZE
+    return registry.get_compressor(named, dense_bin_size=size, recurrent_bin_size=size)
+  return compressor
 
 
 def check_dense_when_faster(dense_when_faster, reduction, start_step, momentum_masking,
