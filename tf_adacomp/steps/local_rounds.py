@@ -125,19 +125,11 @@ class LocalRounds(updates.UpdateExchange):
       fresh = tf.where(known, tf.gather(stepped_at, at) <= begun,
                        tf.fill([len(indices)], tf.equal(position, 0)))
       jumped.append(jumps(variables, at, tf.logical_and(known, tf.logical_not(fresh))))
-      reset = tf.logical_or(fresh, jumped[0])
-      own = [self.anchors[i] for i in indices]
-
-      def set_anchors():
-        # Where any is reset (a round's first step: all of them), one pass over them.
-        return [_assigned(a, tf.where(reset[k], tf.convert_to_tensor(v),
-                                      tf.convert_to_tensor(a)))
-                for k, (a, v) in enumerate(zip(own, variables))]
-
-      # One conditional for all (not one per variable: a step inside a round takes the
-      # other branch, and each conditional costs the step a little).
-      anchors = tf.cond(tf.reduce_any(reset), set_anchors,
-                        lambda: [tf.convert_to_tensor(a) for a in own])
+      for k, (i, variable) in enumerate(zip(indices, variables)):
+        anchor, weight = self.anchors[i], tf.convert_to_tensor(variable)
+        anchors.append(tf.cond(tf.logical_or(fresh[k], jumped[0][k]),
+                               lambda a=anchor, w=weight: _assigned(a, w),
+                               lambda a=anchor: tf.convert_to_tensor(a)))
     if idle:
       at = tf.constant(idle, tf.int64)
       joining = tf.logical_and(known, tf.gather(stepped_at, at) > begun)
