@@ -30,4 +30,3 @@ def test_adam_inside_rounds_takes_adacomp_with_smaller_bins(inner, options, bins
   # The config keeps the compressor it resolved to.
   again = tf_adacomp.CompressedOptimizer.from_config(wrapper.get_config())
   assert again.compressor.dense_bin_size == bins
-

@@ -17,8 +17,9 @@ The runs train one after the other in this process, under one strategy
 Each is the model, data and steps of ``keras_fit.py``, from the same seed. Writes to
 ``$MULTI_WORKER_OUT_DIR``, per run (``:`` in RUN becomes ``-``): ``{run}/worker{i}.npz``
 (final weights and this worker's residues) and ``{run}/worker{i}.json`` (history, with
-the logs of every step as ``batch_logs``, evaluation, compression statistics of the last step, and the message of every
-``tf_adacomp.UnsynchronizedWorkersWarning`` the run raised: none, under the strategy).
+the logs of every step as ``batch_logs``, evaluation, compression statistics of the last
+step, and the message of every ``tf_adacomp.UnsynchronizedWorkersWarning`` the run
+raised: none, under the strategy).
 """
 
 import json
