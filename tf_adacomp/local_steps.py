@@ -78,8 +78,8 @@ DILOCO_MOMENTUM = 0.9
 # compressor is named ("adacomp", the default): half the default 500. A round's
 # pseudo-update of Adam is about as large everywhere, so AdaComp, which sends an element
 # when it nears its bin's largest, sends some 1.5% of them a round with bins of 500, and
-# an element waits tens of rounds; bins of 250 send about 1.4 times the bytes and lost
-# 1.5 points less on the small GPT (docs/convergence.md).
+# an element waits tens of rounds; bins of 250 send more bytes and lost fewer points on
+# the small GPT and the character LSTM (docs/convergence.md).
 ADAM_ROUND_BIN_SIZE = 250
 
 
