@@ -66,6 +66,19 @@ def test_step_time_ratios_to_the_dense_step(tmp_path):
 
 
 @pytest.mark.slow
+def test_paired_step_times_the_default_against_keras_in_one_process(tmp_path):
+  out = _ok(_run("paired_step.py", "--warmup_steps=2", "--blocks=2", "--block_steps=2",
+                 f"--json={tmp_path / 'p.json'}"))
+  assert "x Keras' step" in out
+  result = json.loads((tmp_path / "p.json").read_text())
+  assert {name: len(t) for name, t in result["step_seconds"].items()} == {"dense": 4,
+                                                                         "default": 4}
+  assert result["default_over_dense"] == pytest.approx(
+      result["median_step_seconds"]["default"] / result["median_step_seconds"]["dense"])
+  assert result["exchange_choice"]["phase"] == "probing compressed"  # 6 of its 20
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(not netns.available(), reason="needs root and iproute2 (ip netns, tc)")
 def test_network_runs_workers_across_limited_namespaces_and_cleans_up(tmp_path):
   result, pid = benchmark_scripts.run_script(
@@ -112,6 +125,7 @@ def test_network_runs_workers_across_limited_namespaces_and_cleans_up(tmp_path):
     ("compression_ratio.py", ["--compressors=topk"], "compressors='topk'"),
     ("step_time.py", ["--steps=0"], "steps=0"),
     ("step_time.py", ["--compressors=adacomp+fast"], "compressor='adacomp+fast'"),
+    ("paired_step.py", ["--blocks=0"], "blocks=0"),
     ("network.py", ["--compressors=topk,adacomp"], "compressors='topk,adacomp'"),
     ("network.py", ["--rates=fast"], "rate='fast'"),
     ("network.py", ["--workers=1"], "workers=1"),

@@ -120,6 +120,22 @@ def test_a_costly_probe_comes_back_rarely():
   assert choice_lib.describe(choice)["exchange"] == "compressed"
 
 
+def test_between_probes_a_step_moves_only_the_count():
+  # Nearly every step falls between a decision and the next probe: there the schedule
+  # records no period and touches nothing but the count (its other ops made the
+  # default's dense step slower than Keras'). The re-probe after such steps is
+  # test_compressed_is_kept_where_it_is_faster_and_probed_again_later_and_later's.
+  choice = _choice()
+  assert _drive(choice, 2 * PHASE + 1, compressed_s=0.030, dense_s=0.020).endswith("d")
+  state = {name: getattr(choice, name).numpy().copy() for name in (
+      "phase", "chosen", "recheck", "periods", "medians", "last_time", "scouted")}
+  count = int(choice.count.numpy())
+  assert _drive(choice, 5, compressed_s=0.030, dense_s=0.020, start=1e4) == "d" * 5
+  assert int(choice.count.numpy()) == count + 5
+  for name, value in state.items():
+    np.testing.assert_array_equal(getattr(choice, name).numpy(), value, err_msg=name)
+
+
 def test_a_restored_probe_does_not_count_the_time_between_the_save_and_the_restore():
   # Saved after the dense probe's first exchange (dense 20 ms, compressed 30 ms),
   # restored 10,000 s later: the restored schedule goes on with the dense probe, as

@@ -11,8 +11,9 @@ devices, so the wrapper measures it on the cluster it runs on, in the training i
    next is a *period*: the exchange, the apply, the next step's compute and whatever
    Keras does in between, all that a step costs. The first ``SETTLE`` periods of a
    phase (XLA compilation, a collective's set-up) are not counted.
-   During the settling exchanges the probe also *scouts* the link: after the compressed
-   exchange, a scalar all-reduce (the link's latency) and one of zeros of
+   During the settling exchanges the probe also *scouts* the link: once the values are
+   ready, before they are exchanged (the link is idle then: the last exchange is
+   over), a scalar all-reduce (the link's latency) and one of zeros of
    ``1 / SCOUT_FRACTION`` of a dense exchange's bytes, both timed. From them, the dense
    exchange's time is estimated (latency + ``SCOUT_FRACTION`` times the zeros' transfer);
    where that alone exceeds ``EARLY_FACTORS[1]`` times the compressed median, the dense
@@ -128,7 +129,7 @@ class Choice:
     present = [k for k, v in enumerate(values) if v is not None]
     # Dense, with the plan's static shape (an Embedding's IndexedSlices summed into rows).
     dense_values = [engine_lib.densified(values[k], plans[k]) for k in present]
-    use_dense, scout, count, scout_bytes = self._begin(dense_values)
+    use_dense, scout, scout_bytes = self._begin(dense_values)
 
     # Each replica's values and states go through the arguments (cond_on_every_replica).
     def run_compressed(own):
@@ -155,44 +156,57 @@ class Choice:
     nbytes = list(nbytes)
     nbytes[0] += tf.where(scout, tf.constant(_scout_sent(scout_bytes), tf.int64),
                           tf.constant(0, tf.int64))
-    self._keep(self._scout_if(scout, sums, scout_bytes), count)
     full_sums, full_states, full_nbytes = [None] * len(values), list(states), [None] * len(values)
     for j, k in enumerate(present):
       full_sums[k], full_states[k], full_nbytes[k] = sums[j], tuple(new_states[j]), nbytes[j]
     return Exchanged(full_sums, full_states, full_nbytes)
 
   def _begin(self, dense_values):
-    """The schedule moved on at the time ``dense_values`` are ready: ``(whether this
-    exchange is dense, whether it scouts, the new count, a scout's bytes)``."""
+    """The schedule moved on at the time ``dense_values`` are ready (a scout run where
+    it says): ``(whether this exchange is dense, whether it scouted, a scout's
+    bytes)``."""
     with tf.control_dependencies(dense_values):  # when this step's values are ready
       now = tf.timestamp()
-    use_dense = self._schedule(now)
-    with tf.control_dependencies([use_dense]):  # the schedule's new phase and count
-      count = tf.convert_to_tensor(self.count)
-      scout = (tf.equal(tf.convert_to_tensor(self.phase), PROBING_COMPRESSED)
-               & tf.less_equal(count, SETTLE))
     dense_bytes = sum(v.shape.num_elements() * v.dtype.size for v in dense_values)
-    return use_dense, scout, count, dense_bytes // SCOUT_FRACTION
-
-  @staticmethod
-  def _scout_if(scout, ready, nbytes):
-    """This replica's scout's estimate (``_scout``) where ``scout`` (equal on every
-    replica), after ``ready``; else -1. Its own conditional, after the exchange's: in
-    the exchange's, the compressed step would be traced once more."""
-    return replica_steps.cond_on_every_replica(
-        scout, lambda own: _scout(own, nbytes),
-        lambda own: tf.constant(-1.0, tf.float64), list(ready))
+    scout_bytes = dense_bytes // SCOUT_FRACTION
+    use_dense = self._schedule(now, scout_bytes)
+    with tf.control_dependencies([use_dense]):  # the schedule's new phase and count
+      scout = (tf.equal(tf.convert_to_tensor(self.phase), PROBING_COMPRESSED)
+               & tf.less_equal(tf.convert_to_tensor(self.count), SETTLE))
+    return use_dense, scout, scout_bytes
 
   def _keep(self, estimate, count):
     """Keeps a scout's ``estimate`` (negative: none this exchange): the lowest of a
     probe's scouts (a delay only ever adds), its first setting it."""
     old = tf.convert_to_tensor(self.scouted)
-    self.scouted.assign(tf.where(estimate < 0.0, old, tf.where(
+    return self.scouted.assign(tf.where(estimate < 0.0, old, tf.where(
         tf.equal(count, 1), estimate, tf.minimum(old, estimate))))
 
-  def _schedule(self, now):
-    """Records the period that ends at ``now``, moves the schedule one exchange on and
-    returns whether this exchange is dense (a bool, equal on every replica)."""
+  def _schedule(self, now, scout_bytes=0):
+    """Records the period that ends at ``now``, moves the schedule one exchange on,
+    scouts where the new count says so (``scout_bytes`` > 0: a scout's bytes; 0, no
+    scouts) and returns whether this exchange is dense (a bool, equal on every
+    replica).
+
+    Between a decision and the next probe (nearly every exchange) only the count moves:
+    the rest of the schedule (some sixty scalar ops, the conditional all-reduce of the
+    medians and the scout's conditional) is skipped: on one host those alone made the
+    default's dense step measurably slower than Keras' (docs/performance.md, "The
+    default"). No period is recorded there, so ``last_time`` may be stale: the probe
+    that follows counts no period before its ``SETTLE + 1``-th."""
+    steady = (tf.equal(tf.convert_to_tensor(self.phase), CHOSEN)
+              & tf.less(tf.convert_to_tensor(self.count), tf.convert_to_tensor(self.recheck)))
+    return replica_steps.cond_on_every_replica(
+        steady, self._count_one, lambda own: self._move(own, scout_bytes), now)
+
+  def _count_one(self, now):
+    """The schedule's step between probes: one more exchange of the chosen kind."""
+    del now  # no period is recorded between probes
+    with tf.control_dependencies([self.count.assign_add(1)]):
+      return tf.equal(tf.convert_to_tensor(self.chosen), DENSE)
+
+  def _move(self, now, scout_bytes):
+    """``_schedule`` where a probe runs, or the next begins."""
     phase, count = tf.convert_to_tensor(self.phase), tf.convert_to_tensor(self.count)
     chosen, recheck = tf.convert_to_tensor(self.chosen), tf.convert_to_tensor(self.recheck)
     last = tf.convert_to_tensor(self.last_time)
@@ -257,6 +271,14 @@ class Choice:
         self.medians.assign(tf.where(decided, measured, tf.convert_to_tensor(self.medians))),
         self.last_time.assign(now),
     ]
+    if scout_bytes:  # a compressed probe's settling exchanges scout the link
+      new_count = tf.where(moved, tf.constant(1, tf.int64), count + 1)
+      with tf.control_dependencies(updates):
+        estimate = replica_steps.cond_on_every_replica(
+            tf.equal(new_phase, PROBING_COMPRESSED) & tf.less_equal(new_count, SETTLE),
+            lambda own: _scout([own], scout_bytes),
+            lambda own: tf.constant(-1.0, tf.float64), now)
+      updates.append(self._keep(estimate, new_count))
     with tf.control_dependencies(updates):
       return tf.identity(tf.equal(new_phase, PROBING_DENSE)
                          | (tf.equal(new_phase, CHOSEN) & tf.equal(chosen, DENSE)))
@@ -265,8 +287,7 @@ class Choice:
 class ChosenStep:
   """``dense_when_faster`` for a whole step (the update and the gradient exchange, one
   exchange per step): each step is either the mode's own, compressed, or Keras' dense
-  step, as ``choice``'s schedule says, in one cross-replica switch (then the scout's
-  conditional: it runs in a probe's settling steps).
+  step, as ``choice``'s schedule says, in one cross-replica switch.
 
   Keras' dense step: the gradients summed over the replicas (one all-reduce per dtype;
   each replica's clipped to ``local_clipnorm`` first, where set) and one step of the
@@ -298,7 +319,7 @@ class ChosenStep:
     plans = [guard.plans[indices[k]] for k in present]
     # Dense, with the plan's static shape (an Embedding's IndexedSlices summed into rows).
     dense_grads = [engine_lib.densified(grads[k], p) for k, p in zip(present, plans)]
-    use_dense, scout, count, scout_bytes = choice._begin(dense_grads)  # pylint: disable=protected-access
+    use_dense, scout, scout_bytes = choice._begin(dense_grads)  # pylint: disable=protected-access
     last_dense = tf.equal(tf.convert_to_tensor(choice.last_dense), 1)
 
     # Each replica's gradients go through the arguments (switch_on_every_replica).
@@ -326,14 +347,13 @@ class ChosenStep:
     done = replica_steps.switch_on_every_replica(
         branch, [run_compressed, run_dense, lambda own: run_dense(own, sync=True)],
         (list(grads), dense_grads))
-    # After the step (its updates, ``done``): the scout, its bytes with the first
-    # gradient's.
+    # The scout's bytes (it ran before the exchange) with the first gradient's.
     guard.bytes_sent.assign_add(
         tf.one_hot(indices[present[0]], len(guard.plans), dtype=tf.int64)
         * tf.where(scout, tf.constant(_scout_sent(scout_bytes), tf.int64),
                    tf.constant(0, tf.int64)))
-    choice._keep(choice._scout_if(scout, [done], scout_bytes), count)  # pylint: disable=protected-access
-    choice.last_dense.assign(tf.cast(use_dense, tf.int64))
+    with tf.control_dependencies([done]):
+      choice.last_dense.assign(tf.cast(use_dense, tf.int64))
 
 
 def _average_state(ctx, optimizer):
