@@ -36,7 +36,6 @@ the end, divided by the steps), beside CompressedOptimizer's own ``bytes_sent``.
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -140,17 +139,20 @@ def per_value_mean(values, strategy):
 
 
 def eval_interval(eval_every, local_steps):
-  """Steps between evaluations: --eval_every rounded up to a multiple of the round.
+  """Steps between evaluations: --eval_every rounded down to a multiple of the round,
+  at least one round.
 
   With local steps each replica holds its own weights inside a round; only at a round
   end (a step that is a multiple of H) do all replicas hold the same averaged weights.
   An evaluation there measures the model the workers share, and a decision to stop
   taken there is the same on every worker (a worker that stopped alone would leave
-  the other waiting in a collective forever). H * ceil(eval_every / H), the smallest
-  multiple of H that is at least --eval_every, keeps evaluations about as frequent as
-  asked (lcm(eval_every, H) would be coarser: 160 steps for 10 and 32).
+  the other waiting in a collective forever). H * max(1, eval_every // H) evaluates
+  at least as often as asked where a round allows it (8 steps for 10 and H = 8), so
+  that the steps to the target are read at least as finely as the others' (rounded up,
+  16 steps, they were read up to 15 steps late, against 9 for every 10); a round longer
+  than --eval_every is evaluated at each of its ends (32 steps for 10 and H = 32).
   """
-  return local_steps * math.ceil(eval_every / local_steps)
+  return local_steps * max(1, eval_every // local_steps)
 
 
 def build_mlp(width):

@@ -85,6 +85,13 @@ def test_split_variant_log_reduction_reaches_the_worker(variant, logs):
   assert network_worker.parse(argv[2:]).log_reduction == (logs or "packed")
 
 
+@pytest.mark.parametrize("eval_every,local_steps,interval", [
+    (10, 1, 10), (10, 8, 8), (16, 8, 16), (20, 8, 16), (10, 32, 32), (7, 8, 8)])
+def test_local_steps_are_evaluated_at_round_ends_at_least_as_often_as_asked(
+    eval_every, local_steps, interval):
+  assert network_worker.eval_interval(eval_every, local_steps) == interval
+
+
 @pytest.mark.parametrize("variant", [
     "adacomp+fast", "adacomp+H0", "adacomp+Hx", "adacomp+H", "adacomp+h8", "adacomp+H-1",
     "adacomp+H8+H8", "adacomp+H8+H16", "adacomp+updates+gradients", "adacomp+nesterov",
