@@ -191,8 +191,8 @@ class Choice:
     Between a decision and the next probe (nearly every exchange) only the count moves:
     the rest of the schedule (some sixty scalar ops, the conditional all-reduce of the
     medians and the scout's conditional) is skipped: on one host those alone made the
-    default's dense step measurably slower than Keras' (docs/performance.md, "The
-    default"). No period is recorded there, so ``last_time`` may be stale: the probe
+    default's dense step measurably slower than Keras' (docs/performance.md, "Between
+    probes"). No period is recorded there, so ``last_time`` may be stale: the probe
     that follows counts no period before its ``SETTLE + 1``-th."""
     steady = (tf.equal(tf.convert_to_tensor(self.phase), CHOSEN)
               & tf.less(tf.convert_to_tensor(self.count), tf.convert_to_tensor(self.recheck)))
