@@ -77,6 +77,14 @@ def switch_on_every_replica(index, branches, values):
                                                         args=(index, values))
 
 
+def first_local(value, strategy):
+  """This worker's first replica's component of ``value`` (``value`` itself where it is
+  not distributed)."""
+  if isinstance(value, tf.distribute.DistributedValues):
+    return strategy.experimental_local_results(value)[0]
+  return value
+
+
 def all_replicas_finite(finite, *counts):
   """Whether ``finite`` (this replica's bool) holds on every replica, and the sums over
   the replicas of ``counts`` (float32 scalars), in one all-reduce: the one place where

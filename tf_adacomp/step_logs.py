@@ -27,6 +27,8 @@ import weakref
 import keras
 import tensorflow as tf
 
+from tf_adacomp import replica_steps
+
 # The function graphs whose step asked for it -> the condition (a callable returning
 # a boolean tensor, the same on every worker) and the holder of the held values.
 _MARKED = weakref.WeakKeyDictionary()
@@ -93,8 +95,7 @@ def mean_or_held(values, strategy, mean):
 
 def _spec(value, strategy):
   """The shape and dtype of a replica's ``value`` (None for what is not a tensor)."""
-  if isinstance(value, tf.distribute.DistributedValues):
-    value = strategy.experimental_local_results(value)[0]
+  value = replica_steps.first_local(value, strategy)
   if not tf.is_tensor(value):
     return None
   return tf.TensorSpec(value.shape, value.dtype)

@@ -81,6 +81,7 @@ import keras
 import tensorflow as tf
 
 from tf_adacomp import log
+from tf_adacomp import replica_steps
 from tf_adacomp import step_logs
 from tf_adacomp.compat import internals
 from tf_adacomp.compat import patches
@@ -190,7 +191,7 @@ def mean_over_replicas(values, strategy):
   reduced = list(leaves)
   groups = {}
   for i, leaf in enumerate(leaves):
-    local = _first_local(leaf, strategy)
+    local = replica_steps.first_local(leaf, strategy)
     if tf.TensorShape(getattr(local, "shape", None)).is_fully_defined():
       groups.setdefault(local.dtype, []).append(i)
     else:
@@ -199,7 +200,7 @@ def mean_over_replicas(values, strategy):
     if len(members) == 1:
       reduced[members[0]] = strategy.reduce("MEAN", leaves[members[0]], axis=None)
       continue
-    shapes = [_first_local(leaves[i], strategy).shape for i in members]
+    shapes = [replica_steps.first_local(leaves[i], strategy).shape for i in members]
     packed = strategy.run(
         lambda *vs: tf.concat([tf.reshape(v, [-1]) for v in vs], 0),
         args=tuple(leaves[i] for i in members))
@@ -208,14 +209,6 @@ def mean_over_replicas(values, strategy):
     for i, part, shape in zip(members, parts, shapes):
       reduced[i] = tf.reshape(part, shape)
   return keras.tree.pack_sequence_as(values, reduced)
-
-
-def _first_local(value, strategy):
-  """This worker's first replica's component of ``value`` (``value`` itself when it is
-  not distributed)."""
-  if isinstance(value, tf.distribute.DistributedValues):
-    return strategy.experimental_local_results(value)[0]
-  return value
 
 
 def _wrap_reduce_per_replica(original):
