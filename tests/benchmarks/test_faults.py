@@ -3,16 +3,17 @@ resumed from tf_adacomp.BackupAndRestore, workers that find different backups re
 and local steps (rounds of 4) killed and resumed mid-round (the other scenarios and the
 soak run in the benchmark itself; docs/reliability.md has their figures)."""
 
+import contextlib
+import io
 import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 import benchmark_scripts
+import faults  # benchmarks/faults.py (benchmark_scripts puts benchmarks/ on sys.path)
 import multi_worker
 
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
@@ -24,17 +25,27 @@ JOB = ["--epochs", "2", "--steps_per_epoch", "6", "--save_freq", "3"]
 def scenarios(tmp_path_factory):
   """The mid_epoch and local_steps scenarios, run by one faults.py (one driver for both)
   with no uninterrupted runs (--no_baseline; see the local_steps test below), its work
-  folder kept (the backups its jobs left): ``(figures, {scenario: row}, work folder)``."""
+  folder kept (the backups its jobs left): ``(figures, {scenario: row}, work folder)``.
+
+  The driver runs here, ``faults.main`` with the command line it would be given (this
+  process has TensorFlow imported already: a process of its own would import it again
+  only to start the workers); the workers are processes of their own, as always, with
+  this process's environment, as a driver process would have passed it on."""
   json_path = tmp_path_factory.mktemp("faults") / "faults.json"
-  result = subprocess.run(
-      [sys.executable, os.path.join(benchmark_scripts.BENCHMARKS_DIR, "faults.py"),
-       "--scenarios", "mid_epoch,local_steps", *JOB, "--collective_timeout", "60",
-       "--timeout", "240", "--no_baseline", "--keep", "--json", str(json_path)],
-      capture_output=True, text=True, env=ENV, timeout=1000, check=False)
-  found = re.search(r"^work folder: (.+)$", result.stdout, re.M)
+  printed = io.StringIO()
+  error = None
+  try:
+    with contextlib.redirect_stdout(printed), pytest.MonkeyPatch.context() as env:
+      for name in ("TF_CPP_MIN_LOG_LEVEL", "CUDA_VISIBLE_DEVICES"):  # as given a driver
+        env.setenv(name, ENV[name])
+      faults.main(["--scenarios", "mid_epoch,local_steps", *JOB, "--collective_timeout", "60",
+                   "--timeout", "240", "--no_baseline", "--keep", "--json", str(json_path)])
+  except (Exception, SystemExit) as raised:  # pylint: disable=broad-except
+    error = raised
+  found = re.search(r"^work folder: (.+)$", printed.getvalue(), re.M)
   work = found.group(1).strip() if found else None
   try:
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert error is None, f"{error!r}\n{printed.getvalue()[-3000:]}"
     figures = json.loads(json_path.read_text())
     rows = {row["scenario"]: row for row in figures["scenarios"]}
     assert sorted(rows) == ["local_steps", "mid_epoch"], figures["scenarios"]

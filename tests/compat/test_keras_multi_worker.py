@@ -315,29 +315,63 @@ def _skip_unless_needed(patch):
     pytest.skip(f"the installed Keras {keras.__version__} does not have this bug")
 
 
+# The control runs (upstream Keras; the symbolic-build patch alone) and the standard
+# constructor's run all use tf.distribute.MultiWorkerMirroredStrategy() as it comes: one
+# 2-worker job (tests/workers/standard_strategy_fit.py) runs the controls this Keras
+# needs, each a fresh model.fit that fails while tracing its first step, then the
+# standard run, instead of a cluster start-up each.
+CONTROLS = {kmw.SYMBOLIC_BUILD: "none", kmw.REDUCE_PER_REPLICA: "symbolic-build-only"}
+
+
+@pytest.fixture(scope="module")
+def standard_run(tmp_path_factory):
+  """The 2-worker job of the standard constructor, after the control runs this Keras
+  needs: ``(results, out_dir, {control: [its record per worker]})``."""
+  out_dir = tmp_path_factory.mktemp("standard_run")
+  controls = [CONTROLS[patch] for patch in kmw.keras_multi_worker_fix_needed()]
+  results = run_workers(WORKERS_DIR / "standard_strategy_fit.py", num_workers=NUM_WORKERS,
+                        timeout=240, out_dir=out_dir, args=controls)
+  found = {}
+  if controls:
+    for i in range(NUM_WORKERS):
+      path = out_dir / f"worker{i}.controls.json"
+      assert path.exists(), describe(results)
+      for control, record in json.loads(path.read_text()).items():
+        found.setdefault(control, []).append(record)
+  return results, out_dir, found
+
+
+def _control(standard_run, control):
+  """Each worker's record of the control run ``control``, and the job's outputs."""
+  results, _, found = standard_run
+  assert len(found.get(control, ())) == NUM_WORKERS, describe(results)
+  return found[control], describe(results)
+
+
 @pytest.mark.slow
-def test_keras_fit_multi_worker_without_fix_fails_upstream(tmp_path):
+def test_keras_fit_multi_worker_without_fix_fails_upstream(standard_run):
   """The control run: upstream Keras fails in fit's symbolic build."""
   _skip_unless_needed(kmw.SYMBOLIC_BUILD)
-  results = _run_keras_fit("none", tmp_path)
-  for r in results:
-    assert r.returncode != 0, describe(results)
-    assert "ValueError: Attempt to convert a value (PerReplica" in r.stderr, describe(results)
+  records, outputs = _control(standard_run, "none")
+  for record in records:
+    assert record["patches"] == [], record
+    # fit raised: it trained nothing, and no results were written after it.
+    assert "error" in record and "history" not in record, (record, outputs)
+    assert "ValueError: Attempt to convert a value (PerReplica" in record["error"], record
     assert "unsupported type (<class 'tensorflow.python.distribute.values.PerReplica'>) " \
-           "to a Tensor" in r.stderr, describe(results)
-  assert not list(tmp_path.glob("worker*.npz"))
+           "to a Tensor" in record["error"], record
 
 
 @pytest.mark.slow
-def test_keras_fit_multi_worker_needs_both_patches(tmp_path):
+def test_keras_fit_multi_worker_needs_both_patches(standard_run):
   """With the symbolic build fixed only, the scalar logs' MEAN along axis 0 fails."""
   _skip_unless_needed(kmw.REDUCE_PER_REPLICA)
-  results = _run_keras_fit("symbolic-build-only", tmp_path)
-  for r in results:
-    assert r.returncode != 0, describe(results)
-    assert "Invalid reduction dimension 0 for input with 0 dimensions" in r.stderr, \
-        describe(results)
-  assert not list(tmp_path.glob("worker*.npz"))
+  records, outputs = _control(standard_run, "symbolic-build-only")
+  for record in records:
+    assert record["patches"] == [kmw.SYMBOLIC_BUILD], record
+    assert "error" in record and "history" not in record, (record, outputs)
+    assert "Invalid reduction dimension 0 for input with 0 dimensions" in record["error"], \
+        record
 
 
 @pytest.mark.slow
@@ -383,15 +417,15 @@ def test_a_multi_worker_strategy_installs_the_fix_once_with_one_log_line(unpatch
 
 
 @pytest.mark.slow
-def test_plain_multi_worker_strategy_trains_with_model_fit(tmp_path):
+def test_plain_multi_worker_strategy_trains_with_model_fit(standard_run):
   """The standard constructor, 2 worker processes over gRPC, no call to tf_adacomp's fix."""
-  results = run_workers(WORKERS_DIR / "standard_strategy_fit.py", num_workers=2,
-                        timeout=180, out_dir=tmp_path)
+  results, out_dir, _ = standard_run
   assert all(r.returncode == 0 for r in results), describe(results)
-  logs = [json.loads((tmp_path / f"worker{i}.json").read_text()) for i in range(2)]
-  weights = [np.load(tmp_path / f"worker{i}.npz") for i in range(2)]
+  logs = [json.loads((out_dir / f"worker{i}.json").read_text()) for i in range(2)]
+  weights = [np.load(out_dir / f"worker{i}.npz") for i in range(2)]
   needed = bool(kmw.keras_multi_worker_fix_needed())
   for log, result in zip(logs, results):
+    # Not applied before the optimizer was created (the controls' patch was reverted).
     assert not log["fix_applied_before"]
     assert log["fix_applied_after"] == needed
     assert log["steps"] > 0 and np.isfinite(log["history"]["loss"]).all()
