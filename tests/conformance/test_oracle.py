@@ -41,6 +41,19 @@ from tf_adacomp import shared_moment
 
 CONFIGS = oracle.training_configs()
 
+# The configurations that passed ``oracle.check`` unmutated in this process: a
+# configuration held by two of the lists below (a targeted one that is also a mutation's
+# unmutated configuration) is trained and compared once. One that failed is not here,
+# and fails again wherever it is held.
+_PASSED = set()
+
+
+def _check(config, directory):
+  if config in _PASSED:
+    return
+  oracle.check(config, directory)
+  _PASSED.add(config)
+
 
 def _params(configs, fast=0, exact=False, fast_rows=None):
   """``fast_rows``: the indices in the fast tier (default: the first ``fast``)."""
@@ -54,12 +67,12 @@ def _params(configs, fast=0, exact=False, fast_rows=None):
 # and an export, is covered there by test_oracle_tf_keras.py and tests/test_hierarchy.py).
 @pytest.mark.parametrize("config", _params(CONFIGS, fast_rows=oracle.fast_rows(CONFIGS, 3)))
 def test_trains_as_its_reference(config, tmp_path):
-  oracle.check(config, str(tmp_path))
+  _check(config, str(tmp_path))
 
 
 @pytest.mark.parametrize("config", _params(oracle.TARGETED))
 def test_targeted_configuration_trains_as_its_reference(config, tmp_path):
-  oracle.check(config, str(tmp_path))
+  _check(config, str(tmp_path))
 
 
 ONE_REPLICA = [
@@ -82,6 +95,10 @@ ONE_REPLICA = [
 # for bit too.
 @pytest.mark.parametrize("config", _params(ONE_REPLICA, fast=1, exact=True))
 def test_one_replica_is_keras_bit_for_bit(config, tmp_path):
+  if config in _PASSED and oracle.tolerance(config) == oracle.EXACT:
+    # oracle.check made this very comparison (the wrapper's run against plain Keras',
+    # bit for bit) in this process: inner=adam,model=embedding,steps=20 is targeted too.
+    return
   ours = oracle.train(config, True, str(tmp_path / "ours"))
   keras_run = oracle.keras_reference(config, str(tmp_path / "keras"))
   oracle.compare(config, ours, keras_run, how=oracle.EXACT)
@@ -172,7 +189,7 @@ def test_a_mutation_is_caught(mutation, monkeypatch, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("mutation", list(MUTATIONS))
 def test_the_mutated_configurations_pass_unmutated(mutation, tmp_path):
-  oracle.check(MUTATIONS[mutation][3], str(tmp_path))
+  _check(MUTATIONS[mutation][3], str(tmp_path))
 
 
 def test_the_constructor_refuses_exactly_the_invalid_combinations():
