@@ -126,11 +126,20 @@ class Guard:
     finite = fused.all_finite(results)
     if stepped is not None:
       finite = tf.logical_and(stepped, finite)
-    masks = [None] * len(indices) if masks is None else masks
-    for i, old, new, mask in zip(indices, old_states, new_states, masks):
-      keep = finite if mask is None else tf.logical_and(finite, mask)
-      for variable, old_value, new_value in zip(self.residues[i], old, new):
-        variable.assign(tf.where(keep, new_value, old_value))
+    triples = [t for i, old, new in zip(indices, old_states, new_states)
+               for t in zip(self.residues[i], old, new)]
+    if masks is None and triples:
+      # One conditional for all, not a select each: no pass that reads both states.
+      kept = tf.cond(finite, lambda: [new for _, _, new in triples],
+                     lambda: [old for _, old, _ in triples])
+      for (variable, _, _), value in zip(triples, kept):
+        variable.assign(value)
+    else:
+      masks = [None] * len(indices) if masks is None else masks
+      for i, old, new, mask in zip(indices, old_states, new_states, masks):
+        keep = finite if mask is None else tf.logical_and(finite, mask)
+        for variable, old_value, new_value in zip(self.residues[i], old, new):
+          variable.assign(tf.where(keep, new_value, old_value))
     self.record_bytes(indices, nbytes, traced)
     return finite
 

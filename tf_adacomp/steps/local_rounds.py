@@ -184,8 +184,10 @@ class LocalRounds(updates.UpdateExchange):
 
     anchors, deltas = tf.cond(re_anchored, measured_again,
                               lambda: (list(anchors), list(deltas)))
-    # Nothing that is not finite enters a compressor (its residue is kept anyway).
-    deltas = [tf.where(stepped, d, tf.zeros_like(d)) for d in deltas]
+    # Nothing that is not finite enters a compressor (its residue is kept anyway). A
+    # conditional, not a select: a finite round makes no pass over its deltas here.
+    deltas = tf.cond(stepped, lambda: list(deltas),
+                     lambda: [tf.zeros_like(d) for d in deltas])
     finite = self.finish(variables, indices, plans, states, anchors, deltas, dense,
                          stepped, masks)
     updates.without_non_finite_slots(guard, self.inner.optimizer, finite)

@@ -127,6 +127,11 @@ def without_non_finite_slots(guard, optimizer, finite):
   """A skipped round (``finite`` false): a replica whose own steps went non-finite keeps
   going from the anchor with the finite part of ``optimizer``'s state."""
   slots = [x for x in optimizer.variables if tf.as_dtype(x.dtype).is_floating]
-  guard.assign_per_replica(slots, [
-      tf.where(finite, tf.convert_to_tensor(x),
-               local_steps_lib.without_non_finite(tf.convert_to_tensor(x))) for x in slots])
+  if not slots:
+    return
+  # Only where the round was skipped: a finite round makes no pass over the slots.
+  guard.on_every_replica_if(
+      tf.logical_not(finite),
+      lambda own: guard.assign_per_replica(
+          slots, [local_steps_lib.without_non_finite(x) for x in own]),
+      [tf.convert_to_tensor(x) for x in slots])
