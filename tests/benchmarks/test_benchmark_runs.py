@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 
@@ -76,6 +77,23 @@ def test_paired_step_times_the_default_against_keras_in_one_process(tmp_path):
   assert result["default_over_dense"] == pytest.approx(
       result["median_step_seconds"]["default"] / result["median_step_seconds"]["dense"])
   assert result["exchange_choice"]["phase"] == "probing compressed"  # 6 of its 20
+  assert result["local_rounds"] == {}
+
+
+@pytest.mark.slow
+def test_paired_step_times_a_rounds_inside_and_end_apart(tmp_path):
+  out = _ok(_run("paired_step.py", "--local_steps=2", "--warmup_steps=2", "--blocks=2",
+                 "--block_steps=4", f"--json={tmp_path / 'p.json'}"))
+  assert "a step inside a round" in out
+  result = json.loads((tmp_path / "p.json").read_text())
+  assert result["local_steps"] == 2 and len(result["step_seconds"]["default"]) == 8
+  assert result["round_ends"] == [False, True] * 4  # every second step ends a round
+  steps, rounds = result["step_seconds"]["default"], result["local_rounds"]
+  for part, at in (("inside", 0), ("round_end", 1)):
+    assert rounds[part]["median_step_seconds"] == pytest.approx(
+        statistics.median(steps[at::2]))
+    assert rounds[part]["over_dense"] == pytest.approx(
+        rounds[part]["median_step_seconds"] / result["median_step_seconds"]["dense"])
 
 
 @pytest.mark.slow
@@ -126,6 +144,8 @@ def test_network_runs_workers_across_limited_namespaces_and_cleans_up(tmp_path):
     ("step_time.py", ["--steps=0"], "steps=0"),
     ("step_time.py", ["--compressors=adacomp+fast"], "compressor='adacomp+fast'"),
     ("paired_step.py", ["--blocks=0"], "blocks=0"),
+    ("paired_step.py", ["--local_steps=3"], "local_steps=3"),
+    ("paired_step.py", ["--model=resnet"], "'resnet'"),
     ("network.py", ["--compressors=topk,adacomp"], "compressors='topk,adacomp'"),
     ("network.py", ["--rates=fast"], "rate='fast'"),
     ("network.py", ["--workers=1"], "workers=1"),
