@@ -325,27 +325,14 @@ def test_eager_replicas_are_refused_with_advice():
 
 
 def _fit(optimizer, replicas=4, steps=4, run_eagerly=False):
-  """``model.fit`` of ``steps`` global batches, each replica fed its own shard of each (the
-  ``PER_REPLICA`` consecutive rows Keras would split it into) by a pipeline of its own:
-  NumPy arrays would go through a ``MultiDeviceIterator``, whose per-device functions cost
-  about 0.4 CPU-s a fit on 4 replicas; the weights come out bit-identical either way."""
-  from replica_harness import data, linear_model, PER_REPLICA  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from replica_harness import data, fit_on_shards, linear_model
   strategy = _strategy(replicas)
   x, y = data(replicas, steps)
   with strategy.scope():
     net = linear_model()
     net.compile(optimizer=optimizer(), loss="mse", run_eagerly=run_eagerly)
-
-  def shard(context):
-    r = context.input_pipeline_id  # the replica (one pipeline per replica)
-    own = (np.arange(steps)[:, None] * replicas * PER_REPLICA + r * PER_REPLICA
-           + np.arange(PER_REPLICA)).ravel()
-    return tf.data.Dataset.from_tensor_slices((x[own], y[own])).batch(PER_REPLICA)
-
-  dataset = strategy.distribute_datasets_from_function(shard, tf.distribute.InputOptions(
-      experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA,
-      experimental_fetch_to_device=False))
-  net.fit(dataset, epochs=1, shuffle=False, verbose=0)
+  fit_on_shards(net, strategy, replicas, x, y, 0, steps)
   return net, strategy
 
 

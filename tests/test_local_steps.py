@@ -13,7 +13,7 @@ import tensorflow as tf
 
 import tf_adacomp
 from replica_harness import (DEVICES, FEATURES, OUTPUTS, PER_REPLICA, assert_replicas_hold,
-                             data, linear_model, np_topk, own_mean_gradients,
+                             data, fit_on_shards, linear_model, np_topk, own_mean_gradients,
                              replica_values, replica_weights, shards)
 from tf_adacomp import local_steps as local_steps_lib
 
@@ -91,33 +91,16 @@ def _local_steps(local_steps, outer="average", compressor=None):
 # --- Two rounds against NumPy -------------------------------------------------------
 
 
-def _fit_steps(model, strategy, replicas, x, y, first, last):
-  """``model.fit`` on global batches ``first`` to ``last`` of ``x, y`` (``data``'s), each
-  replica fed its own shard of each (the ``PER_REPLICA`` consecutive rows Keras would
-  split it into, as ``shards`` gives them) by a pipeline of its own: NumPy arrays would go
-  through a ``MultiDeviceIterator``, whose per-device functions cost more CPU than the
-  steps here; the weights come out bit-identical either way."""
-  def shard(context):
-    r = context.input_pipeline_id  # the replica (one pipeline per replica)
-    own = (np.arange(first, last)[:, None] * replicas * PER_REPLICA + r * PER_REPLICA
-           + np.arange(PER_REPLICA)).ravel()
-    return tf.data.Dataset.from_tensor_slices((x[own], y[own])).batch(PER_REPLICA)
-
-  dataset = strategy.distribute_datasets_from_function(shard, tf.distribute.InputOptions(
-      experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA,
-      experimental_fetch_to_device=False))
-  model.fit(dataset, epochs=1, shuffle=False, verbose=0)
-
-
-def fit(optimizer, replicas, steps):
-  """replica_harness.fit (``(start weights, model, strategy)``), fed by ``_fit_steps``."""
+def _fit(optimizer, replicas, steps):
+  """``replica_harness.fit`` (``(start weights, model, strategy)``), fed by
+  ``replica_harness.fit_on_shards``."""
   strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES[:replicas])
   x, y = data(replicas, steps)
   with strategy.scope():
     net = linear_model()
     net.compile(optimizer=optimizer(), loss="mse")
   start = net.get_weights()
-  _fit_steps(net, strategy, replicas, x, y, 0, steps)
+  fit_on_shards(net, strategy, replicas, x, y, 0, steps)
   return start, net, strategy
 
 
@@ -125,11 +108,11 @@ _FITS = {}
 
 
 def _fit_once(key, optimizer, replicas, steps):
-  """``fit(optimizer, replicas, steps)`` once per process for ``key``: tests that read
+  """``_fit(optimizer, replicas, steps)`` once per process for ``key``: tests that read
   different things of the same run (none changes the model) share it, since a fit is
   mostly Keras tracing its step on each replica."""
   if key not in _FITS:
-    _FITS[key] = fit(optimizer, replicas, steps)
+    _FITS[key] = _fit(optimizer, replicas, steps)
   return _FITS[key]
 
 
@@ -168,7 +151,7 @@ def test_two_rounds_match_the_numpy_reference(outer):
 @pytest.mark.slow
 def test_mid_round_each_replica_holds_its_own_weights_and_sends_nothing():
   replicas, steps, h = 2, 4, 3
-  start, model, strategy = fit(_local_steps(h), replicas, steps)
+  start, model, strategy = _fit(_local_steps(h), replicas, steps)
   weights, anchor, _, _ = reference_rounds(start, replicas, steps, h, DENSITY)
   for v, copies in enumerate(replica_weights(model, strategy)):
     assert not np.array_equal(copies[0], copies[1])  # the replicas' data disagree
@@ -191,7 +174,7 @@ def test_an_outer_sgd_of_rate_one_is_the_average_bit_for_bit():
   # The average's run is test_two_rounds_match_the_numpy_reference[average]'s (shared).
   for key, optimizer in ((("rounds", "average"), _local_steps(h, "average")),
                          (None, _local_steps(h, lambda: keras.optimizers.SGD(1.0)))):
-    _, model, strategy = (fit(optimizer, replicas, steps) if key is None
+    _, model, strategy = (_fit(optimizer, replicas, steps) if key is None
                           else _fit_once(key, optimizer, replicas, steps))
     runs.append(replica_weights(model, strategy))
   for average, outer in zip(*runs):
@@ -205,7 +188,7 @@ def test_one_local_step_with_the_average_is_the_default_update_exchange_bit_for_
   for optimizer in (lambda: tf_adacomp.CompressedOptimizer(_sgd(), tf_adacomp.TopK(DENSITY)),
                     _local_steps(1, "average"),
                     _local_steps(1, lambda: keras.optimizers.SGD(1.0))):
-    _, model, strategy = fit(optimizer, replicas, steps)
+    _, model, strategy = _fit(optimizer, replicas, steps)
     runs.append(replica_weights(model, strategy))
   for default, average, outer in zip(*runs):
     np.testing.assert_array_equal(default, average)
@@ -259,9 +242,9 @@ def _two_fits(optimizer, replicas, first, steps, between, model_fn=linear_model)
     model = model_fn()
     model.compile(optimizer=optimizer(), loss="mse")
   start = model.get_weights()
-  _fit_steps(model, strategy, replicas, x, y, 0, first)
+  fit_on_shards(model, strategy, replicas, x, y, 0, first)
   between(model, strategy)
-  _fit_steps(model, strategy, replicas, x, y, first, steps)
+  fit_on_shards(model, strategy, replicas, x, y, first, steps)
   return start, model, strategy
 
 
@@ -447,7 +430,7 @@ def test_unfreezing_a_layer_the_optimizer_was_not_built_with_is_keras_error_and_
 def test_a_restore_on_other_replicas_keeps_anchor_outer_state_and_residue_totals(tmp_path):
   # Saved from 3 replicas: a mean of 3 equal float32 copies is not always the value.
   replicas, steps, h = 3, 4, 2
-  _, model, strategy = fit(_local_steps(h, local_steps_lib.diloco), replicas, steps)
+  _, model, strategy = _fit(_local_steps(h, local_steps_lib.diloco), replicas, steps)
   optimizer = model.optimizer
   path = tf.train.Checkpoint(model=model, optimizer=optimizer).write(str(tmp_path / "ckpt"))
   anchors = [replica_values(a, strategy)[0] for a in optimizer.anchors]
