@@ -93,15 +93,8 @@ def _local_steps(local_steps, outer="average", compressor=None):
 
 def _fit(optimizer, replicas, steps):
   """``replica_harness.fit`` (``(start weights, model, strategy)``), fed by
-  ``replica_harness.fit_on_shards``."""
-  strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES[:replicas])
-  x, y = data(replicas, steps)
-  with strategy.scope():
-    net = linear_model()
-    net.compile(optimizer=optimizer(), loss="mse")
-  start = net.get_weights()
-  fit_on_shards(net, strategy, replicas, x, y, 0, steps)
-  return start, net, strategy
+  ``replica_harness.fit_on_shards``: ``_two_fits`` with nothing between."""
+  return _two_fits(optimizer, replicas, steps, steps, between=None)
 
 
 _FITS = {}
@@ -233,9 +226,9 @@ def test_a_non_finite_round_goes_back_to_the_anchor_everywhere():
 
 
 def _two_fits(optimizer, replicas, first, steps, between, model_fn=linear_model):
-  """``model.fit`` for ``first`` steps, ``between(model, strategy)``, then the remaining
-  ``steps - first`` steps (data as ``shards``). Returns ``(start weights, model,
-  strategy)``."""
+  """``model.fit`` for ``first`` steps, ``between(model, strategy)`` (unless None), then
+  the remaining ``steps - first`` steps (data as ``shards``). Returns ``(start weights,
+  model, strategy)``."""
   strategy = tf_adacomp.distribute.mirrored_strategy(devices=DEVICES[:replicas])
   x, y = data(replicas, steps)
   with strategy.scope():
@@ -243,8 +236,10 @@ def _two_fits(optimizer, replicas, first, steps, between, model_fn=linear_model)
     model.compile(optimizer=optimizer(), loss="mse")
   start = model.get_weights()
   fit_on_shards(model, strategy, replicas, x, y, 0, first)
-  between(model, strategy)
-  fit_on_shards(model, strategy, replicas, x, y, first, steps)
+  if between is not None:
+    between(model, strategy)
+  if first < steps:
+    fit_on_shards(model, strategy, replicas, x, y, first, steps)
   return start, model, strategy
 
 
