@@ -20,7 +20,19 @@ import time
 
 import pytest
 
+from startup import lean_imports  # tests/startup: a namespace package beside this file
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+# Neither this process nor those it starts import JAX, scikit-learn and matplotlib for
+# TensorFlow's and Keras' optional integrations, which no test uses (1.8 CPU-s a process:
+# tests/startup/lean_imports.py). Before TensorFlow is imported; xdist's workers and the
+# tests' processes find sitecustomize.py in tests/startup first on their PYTHONPATH.
+if lean_imports.install():
+  _STARTUP = os.path.dirname(os.path.abspath(lean_imports.__file__))
+  os.environ["PYTHONPATH"] = os.pathsep.join(
+      [_STARTUP] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                    if p and p != _STARTUP])
 
 # Examples run in their own processes keep compiled XLA programs in the user's cache
 # (tf_adacomp.xla_cache): a test run gives them a cache of its own, removed when the run
