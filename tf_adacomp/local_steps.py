@@ -58,11 +58,10 @@ residue, alone. A variable the optimizer was not built with (a layer unfrozen af
 ``build``) is refused as Keras' optimizers refuse it.
 """
 
-import contextlib
-
 import keras
 import tensorflow as tf
 
+from tf_adacomp import replica_steps
 from tf_adacomp.ops import checks
 from tf_adacomp.ops import compiled
 
@@ -201,18 +200,15 @@ class RoundState:
   def __init__(self, strategy, count):
     self.count = count
 
-    def variable(name, shape, value):
-      return tf.Variable(tf.fill(shape, tf.constant(value, tf.int64)), trainable=False,
-                         name=f"local_steps_{name}",
-                         synchronization=tf.VariableSynchronization.ON_READ,
-                         aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+    def initial(shape, value):
+      return lambda: tf.fill(shape, tf.constant(value, tf.int64))
 
-    # Made when a step is first traced, inside the function: lifted out of it.
-    with tf.init_scope(), (strategy.scope() if strategy else contextlib.nullcontext()):
-      self.fingerprints = variable("fingerprints", [count], 0)
-      self.stepped_at = variable("stepped_at", [count], 0)
-      self.moved_at = variable("moved_at", [count], 0)
-      self.recorded_at = variable("recorded_at", [], -1)
+    (self.fingerprints, self.stepped_at, self.moved_at,
+     self.recorded_at) = replica_steps.first_replica_variables(strategy, [
+         ("local_steps_fingerprints", initial([count], 0)),
+         ("local_steps_stepped_at", initial([count], 0)),
+         ("local_steps_moved_at", initial([count], 0)),
+         ("local_steps_recorded_at", initial([], -1))])
 
 
 _ROUND_STATE = "_local_steps_round_state"

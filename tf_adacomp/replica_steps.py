@@ -1,6 +1,8 @@
 """Steps that every replica takes together: helpers shared by the Keras 3 and the
 tf_keras optimizer wrappers (``optimizer.py``, ``tf_keras.py``)."""
 
+import contextlib
+
 import tensorflow as tf
 
 
@@ -189,3 +191,25 @@ def one_value_per_replica(next_creator, **kwargs):
     kwargs["synchronization"] = tf.VariableSynchronization.ON_READ
     kwargs["aggregation"] = tf.VariableAggregation.MEAN
   return next_creator(**kwargs)
+
+
+def first_replica_variables(strategy, initial_values):
+  """Variables made while a step is traced, of which each replica keeps its own copy
+  (``ON_READ``) and a cross-replica read gives the first replica's
+  (``ONLY_FIRST_REPLICA``): for a state that is the same on every replica, or that only
+  its own replica reads. Lifted out of the function (``init_scope``) into ``strategy``'s
+  scope. Nothing tracks them: the caller keeps them where no checkpoint looks.
+
+  Args:
+    strategy: the ``tf.distribute.Strategy`` of the step, or None (the default).
+    initial_values: ``[(name, initial_value), ...]``, each ``initial_value`` a callable
+      taking no argument (called in ``init_scope``, eagerly) or a Python value.
+
+  Returns:
+    The ``tf.Variable`` objects, in the order of ``initial_values``.
+  """
+  with tf.init_scope(), (strategy.scope() if strategy else contextlib.nullcontext()):
+    return [tf.Variable(initial_value, trainable=False, name=name,
+                        synchronization=tf.VariableSynchronization.ON_READ,
+                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+            for name, initial_value in initial_values]

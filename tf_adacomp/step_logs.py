@@ -21,7 +21,6 @@ Any other reduction, any other function (``evaluate``'s, ``predict``'s) and ever
 strategy but multi-worker MWMS are left to Keras and ``mean_over_replicas``.
 """
 
-import contextlib
 import weakref
 
 import keras
@@ -108,14 +107,8 @@ def _held(holder, specs, strategy):
   key = tuple((tuple(s.shape), s.dtype.name) for s in specs)
   made = holder.__dict__.setdefault(_HELD, {})
   if key not in made:
-
-    def variable(value, name):
-      return tf.Variable(value, trainable=False, name=name,
-                         synchronization=tf.VariableSynchronization.ON_READ,
-                         aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
-
-    # Made while the step is traced, inside the function: lifted out of it.
-    with tf.init_scope(), (strategy.scope() if strategy else contextlib.nullcontext()):
-      made[key] = ([variable(tf.zeros(s.shape, s.dtype), "held_log") for s in specs],
-                   variable(False, "held_log_valid"))
+    *logs, valid = replica_steps.first_replica_variables(
+        strategy, [("held_log", lambda s=s: tf.zeros(s.shape, s.dtype)) for s in specs]
+        + [("held_log_valid", False)])
+    made[key] = (logs, valid)
   return made[key]
