@@ -3,8 +3,8 @@
 With the test dependencies installed, ``import tensorflow, keras`` also imports JAX
 (``tf.lite``'s JAX converter), scikit-learn (``keras.wrappers``' scikit-learn estimators)
 and matplotlib (``keras.visualization``): about 1.8 of a process's 4.7 CPU-seconds of
-import on the 2-core VM, paid again by each of the ~150 processes a full run starts,
-none of which uses those integrations. Each is imported in a ``try``, and left out when
+import on the 2-core VM, paid again by every process of the suite that imports
+TensorFlow (docs/development.md), none of which uses those integrations. Each is imported in a ``try``, and left out when
 its module is missing.
 
 ``install()`` makes an import of ``jax``, ``sklearn`` or ``matplotlib`` fail with
