@@ -69,3 +69,14 @@ def test_bad_arguments_are_named(flags, named):
   of a second, fast tier."""
   result = _run(*flags, timeout=120)
   assert result.returncode == 2 and named in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("variant,learning_rate", [("adacomp+updates+H8+nesterov", 0.7),
+                                                   ("none+updates+H8+nesterov0.1", 0.1)])
+def test_a_nesterov_variant_takes_diloco_at_its_outer_learning_rate(variant, learning_rate):
+  import convergence  # pylint: disable=import-outside-toplevel  (benchmarks/, on sys.path)
+
+  settings = dict(convergence.MODELS["mlp"], optimizer="sgd")
+  outer = convergence.make_optimizer(variant, settings).outer_optimizer
+  assert float(outer.learning_rate) == pytest.approx(learning_rate)
+  assert outer.nesterov and float(outer.momentum) == pytest.approx(0.9)
