@@ -4,8 +4,8 @@ With the test dependencies installed, ``import tensorflow, keras`` also imports 
 (``tf.lite``'s JAX converter), scikit-learn (``keras.wrappers``' scikit-learn estimators)
 and matplotlib (``keras.visualization``): about 1.8 of a process's 4.7 CPU-seconds of
 import on the 2-core VM, paid again by every process of the suite that imports
-TensorFlow (docs/development.md), none of which uses those integrations. Each is imported in a ``try``, and left out when
-its module is missing.
+TensorFlow (docs/development.md), none of which uses those integrations. Each is
+imported in a ``try``, and left out when its module is missing.
 
 ``install()`` makes an import of ``jax``, ``sklearn`` or ``matplotlib`` fail with
 ``ModuleNotFoundError`` when the code importing it is the module-level code of
