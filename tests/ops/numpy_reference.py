@@ -332,6 +332,7 @@ def dense_from_pairs_per_bin(pairs, scales, n: int, bin_size: int,
 BUCKET_FLAG = 1 << 9
 BIN_SCALE_FLAG = 1 << 8
 BIN_POSITIONS_FLAG = 1 << 10
+ELIAS_FANO_FLAG = 1 << 11
 
 
 def bucket_offsets(sizes):
@@ -348,9 +349,9 @@ class DecodedBucket:
   pairs: list             # per tensor: {(local position, negative)}
 
 
-def unpack_bucket(payload, sizes, bin_size, per_bin=False) -> DecodedBucket:
-  """Independent unpacker of one bucket payload row (docs/wire_format.md#buckets and
-  #positions-in-bins)."""
+def unpack_bucket(payload, sizes, bin_size, per_bin=False, max_density=None) -> DecodedBucket:
+  """Independent unpacker of one bucket payload row (docs/wire_format.md#buckets,
+  #positions-in-bins and #positions-elias-fano: that one needs ``max_density``)."""
   words = np.asarray(payload).astype(np.int32).reshape(-1)
   count, flags, tensors, scale_words = (int(w) for w in words[:4])
   assert tensors == len(sizes)
@@ -362,8 +363,12 @@ def unpack_bucket(payload, sizes, bin_size, per_bin=False) -> DecodedBucket:
   else:
     scales = body.view(np.float32)
   in_bins = bool(flags & BIN_POSITIONS_FLAG)
+  elias_fano = bool(flags & ELIAS_FANO_FLAG)
   bits = (flags & 0xFF)
-  assert bits == (code_bits(min(bin_size, max(sizes))) if in_bins else code_bits(max(sizes)))
+  if elias_fano:  # the payload's own width: its low bits and a sign
+    assert bits == elias_fano_low_bits(count, sizes, bin_size, max_density) + 1, (bits, count)
+  else:
+    assert bits == (code_bits(min(bin_size, max(sizes))) if in_bins else code_bits(max(sizes)))
   ends = np.cumsum(np.maximum(counts, 0))
   stream = np.unpackbits(words[4 + tensors + scale_words:].astype("<i4").view(np.uint8),
                          bitorder="little")
@@ -374,6 +379,11 @@ def unpack_bucket(payload, sizes, bin_size, per_bin=False) -> DecodedBucket:
     bins = [bins_for(n, bin_size) for n in sizes]
     code_bin = unary_bins(stream[32 * (-(-count * bits // 32)):], count, sum(bins))
     first_bin = np.cumsum([0] + bins)
+  if elias_fano:
+    low_bits, universe = bits - 1, sum(sizes)
+    code_bucket = unary_bins(stream[32 * (-(-count * bits // 32)):], count,
+                             -(-universe // 2**low_bits))
+    starts = np.cumsum([0] + list(sizes))
   pairs = [set() for _ in sizes]
   for j, code in enumerate(fields):
     pos, neg = code >> 1, bool(code & 1)
@@ -381,9 +391,30 @@ def unpack_bucket(payload, sizes, bin_size, per_bin=False) -> DecodedBucket:
     if in_bins:
       assert pos < bin_size and first_bin[t] <= code_bin[j] < first_bin[t + 1], (j, t)
       pos += (code_bin[j] - first_bin[t]) * bin_size
+    if elias_fano:  # its place among all the tensors' elements
+      place = code_bucket[j] * 2**low_bits + pos
+      assert starts[t] <= place < starts[t + 1], (j, t, place)
+      pos = place - starts[t]
     assert pos < sizes[t], (pos, t)
     pairs[t].add((pos, neg))
   return DecodedBucket(count, flags, counts, np.asarray(scales, np.float32), pairs)
+
+
+def elias_fano_words(count, low_bits, universe):
+  """Body words of docs/wire_format.md#positions-elias-fano: ``count`` codes of
+  ``low_bits + 1`` bits, then one unary bit per code and per bucket of ``2**low_bits``."""
+  return -(-count * (low_bits + 1) // 32) + -(-(-(-universe // 2**low_bits) + count) // 32)
+
+
+def elias_fano_low_bits(count, sizes, bin_size, max_density):
+  """The low bits the encoder chooses: the fewest body words, the smallest of equals,
+  among those whose unary counts are no longer than positions="bin"'s longest (a bit
+  per bin and per code of the capacities)."""
+  universe = sum(sizes)
+  longest = sum(bins_for(n, bin_size) + capacity(n, max_density) for n in sizes)
+  candidates = [low for low in range(index_bits(universe) + 1)
+                if -(-universe // 2**low) + count <= longest]
+  return min(candidates, key=lambda low: (elias_fano_words(count, low, universe), low))
 
 
 def unary_bins(stream, count, bins):

@@ -40,10 +40,12 @@ def _check_reference(payload, new, grads, residues, bin_size, max_density, scale
   """The bucket payload and new residues against the NumPy reference, tensor by tensor
   (independent of the kernel that the bucket and per-tensor paths share)."""
   sizes = [g.size for g in grads]
-  got = ref.unpack_bucket(payload.numpy(), sizes, bin_size, per_bin=(scale == "bin"))
+  got = ref.unpack_bucket(payload.numpy(), sizes, bin_size, per_bin=(scale == "bin"),
+                          max_density=max_density)
   assert got.flags & ref.BUCKET_FLAG
   assert bool(got.flags & ref.BIN_SCALE_FLAG) == (scale == "bin")
   assert bool(got.flags & ref.BIN_POSITIONS_FLAG) == (positions == "bin")
+  assert bool(got.flags & ref.ELIAS_FANO_FLAG) == (positions == "elias_fano")
   assert got.count == sum(max(c, 0) for c in got.counts)
   bin_start = 0
   for t, (g, r) in enumerate(zip(grads, residues)):

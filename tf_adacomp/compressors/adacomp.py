@@ -89,10 +89,10 @@ class AdaComp(base.Compressor):
     default_positions = "bin" if self.fuse else "tensor"
     self.positions = adacomp_ops.check_positions(
         default_positions if positions is None else positions)
-    if self.positions == "bin" and not self.fuse:
-      raise ValueError("positions='bin' is a bucket format (fuse=True); AdaComp(fuse=False) "
-                       "sends positions in their tensors: pass positions='tensor'. "
-                       f"Received: positions={positions!r}, fuse={fuse!r}")
+    if self.positions != "tensor" and not self.fuse:
+      raise ValueError(f"positions={self.positions!r} is a bucket format (fuse=True); "
+                       "AdaComp(fuse=False) sends positions in their tensors: pass "
+                       f"positions='tensor'. Received: positions={positions!r}, fuse={fuse!r}")
 
   def bin_size_for(self, name: str, kind: str) -> int:
     """L_T for a variable: a ``bin_sizes`` override, else its kind's default."""

@@ -25,7 +25,11 @@ Wire format (docs/wire_format.md#buckets), int32 words::
 With ``positions="bin"`` (``| BIN_POSITIONS_FLAG``) a code carries its offset in its bin
 (``index_bits(L_T) + 1`` bits) and the bins' counts follow the codes in unary, from the
 word after the last code: for every bin of every tensor in order, one 1 per code sent
-from it and a closing 0 (docs/wire_format.md#positions-in-bins).
+from it and a closing 0 (docs/wire_format.md#positions-in-bins). With
+``positions="elias_fano"`` (``| ELIAS_FANO_FLAG``) the bits word holds the payload's own
+code width: a code carries the low ``bits - 1`` bits of its place among all the bucket's
+elements, and the unary counts after the codes count the codes of each run of
+``2**(bits - 1)`` places (docs/wire_format.md#positions-elias-fano).
 """
 
 import math
@@ -39,6 +43,8 @@ from tf_adacomp.ops import compiled
 
 BUCKET_FLAG = 1 << 9  # or-ed into the bits word of a bucket payload
 BIN_POSITIONS_FLAG = 1 << 10  # and for positions="bin": offsets in bins, unary counts
+ELIAS_FANO_FLAG = 1 << 11  # and for positions="elias_fano"
+BITS_MASK = 0xFF  # the code width in the bits word; the flags above it
 HEADER_WORDS = 4
 
 
@@ -62,8 +68,11 @@ class Layout(adacomp_core.Layout):
 
   @property
   def flags(self) -> int:
+    """The bits word: the code width (with ``positions="elias_fano"``, the widest of the
+    static buffer; each payload writes its own) and the flags."""
     return (self.bits | BUCKET_FLAG | (adacomp.BIN_SCALE_FLAG if self.scale == "bin" else 0)
-            | (BIN_POSITIONS_FLAG if self.positions == "bin" else 0))
+            | (BIN_POSITIONS_FLAG if self.positions == "bin" else 0)
+            | (ELIAS_FANO_FLAG if self.positions == "elias_fano" else 0))
 
 
 def layout(sizes, bin_size, max_density=1.0, scale="tensor", positions="tensor") -> Layout:
@@ -108,7 +117,7 @@ def _compress(grads, residues, lay: Layout):
     scale_body = adacomp_core.bfloat16_words(tf.concat(out.scales, 0))
   else:
     scale_body = tf.bitcast(tf.stack(out.scales), tf.int32)
-  header = tf.stack([out.count, tf.constant(lay.flags, tf.int32),
+  header = tf.stack([out.count, (lay.flags & ~BITS_MASK) | out.bits,
                      tf.constant(len(lay.sizes), tf.int32),
                      tf.constant(lay.scale_words, tf.int32)])
   # -1: this tensor was not finite (it sent nothing and kept its residue).
@@ -134,14 +143,20 @@ def _decompress(payload, lay: Layout, shapes, dtype):
       scales = tf.cast(tf.bitcast(body, tf.float32), cd)
       bad_scale = [tf.logical_not(tf.math.is_finite(scales[t])) for t in range(tensors)]
     # A payload that is not what this layout expects makes the whole bucket NaN.
-    bad = ((row[1] != lay.flags) | (row[2] != tensors) | (row[3] != lay.scale_words)
+    expected, row_bits = lay.flags, None
+    if lay.positions == "elias_fano":  # the row's own width, checked by unary_mismatch
+      row_bits = tf.bitwise.bitwise_and(row[1], BITS_MASK)
+      expected = (lay.flags & ~BITS_MASK) | row_bits
+    bad = ((row[1] != expected) | (row[2] != tensors)
+           | (row[3] != lay.scale_words)
            | (count < 0) | (count > lay.cap)
            | tf.reduce_any(counts > tf.constant(lay.caps, tf.int32))
            | (tf.reduce_sum(tf.maximum(counts, 0)) != count))
     codes = tf.bitcast(row[lay.header_words:], tf.uint32)
-    bad |= adacomp_core.unary_mismatch(codes, count, lay)
+    bad |= adacomp_core.unary_mismatch(codes, count, lay, row_bits)
     return adacomp_core.Row(count, counts, scales, codes,
-                            bad, [x | (counts[t] < 0) for t, x in enumerate(bad_scale)])
+                            bad, [x | (counts[t] < 0) for t, x in enumerate(bad_scale)],
+                            row_bits)
 
   return adacomp_core.decode(payload, lay, shapes, dtype, read_row)
 
@@ -156,7 +171,14 @@ def _tensor_nbytes(payload, lay: Layout):
   counts = tf.maximum(rows[:, HEADER_WORDS:HEADER_WORDS + len(lay.sizes)], 0)
   own_scales = ([4] * len(lay.sizes) if lay.scale == "tensor"
                 else [2 * bins for bins in lay.bins])
-  shares = 4 + tf.constant(own_scales, tf.int64) + counts * lay.bits // 8
+  if lay.positions == "elias_fano":
+    # Its codes and a unary one each, and the buckets of its own places.
+    low_bits = adacomp_core.elias_fano_low_bits(count, lay)[:, None]
+    shares = 4 + tf.constant(own_scales, tf.int64) + (
+        counts * (low_bits + 2) + tf.bitwise.right_shift(
+            tf.constant(lay.sizes, tf.int64)[None], low_bits)) // 8
+  else:
+    shares = 4 + tf.constant(own_scales, tf.int64) + counts * lay.bits // 8
   if lay.positions == "bin":
     shares += (tf.constant(lay.bins, tf.int64) + counts) // 8
   shares += tf.one_hot(0, len(lay.sizes), dtype=tf.int64) * (

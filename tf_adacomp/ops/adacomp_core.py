@@ -45,8 +45,11 @@ from tf_adacomp.ops import variant
 SCALES = ("tensor", "bin")
 # What a code's position is relative to: its tensor (a position of index_bits(n) bits),
 # or its bin (an offset of index_bits(L_T) bits, the bins' counts sent in unary beside
-# the codes; docs/wire_format.md#positions-in-bins).
-POSITIONS = ("tensor", "bin")
+# the codes; docs/wire_format.md#positions-in-bins), or the Elias-Fano code of its place
+# among all the bucket's positions: its low bits in the code, the rest in unary, the
+# split chosen per payload to take the fewest words
+# (docs/wire_format.md#positions-elias-fano).
+POSITIONS = ("tensor", "bin", "elias_fano")
 # Smaller encoder tiers, as fractions 1/d of the positions (see _packed_codes).
 SLOT_TIERS = (128, 16)
 # The GPU form encodes every slot of the capacity up to this many; past it, the tiers'
@@ -121,8 +124,9 @@ class Layout:
     bin_size: L_T, shared by the tensors.
     caps: codes each tensor may send at most (its payload capacity).
     scale: "tensor" or "bin".
-    positions: "tensor" (a code carries its position in its tensor) or "bin" (its offset
-      in its bin; the bins' counts travel in unary after the codes).
+    positions: "tensor" (a code carries its position in its tensor), "bin" (its offset
+      in its bin; the bins' counts travel in unary after the codes) or "elias_fano"
+      (the low bits of its place among all the positions, the high bits in unary).
   """
   sizes: Tuple[int, ...]
   bin_size: int
@@ -148,16 +152,19 @@ class Layout:
   @property
   def bits(self) -> int:
     """Code width: a position within its tensor (of the largest tensor), or with
-    ``positions="bin"`` an offset within its bin, and a sign."""
-    if self.positions == "bin":
+    ``positions="bin"`` an offset within its bin, and a sign. With
+    ``positions="elias_fano"`` each payload chooses its own width; this one (a bin's
+    offset and a sign) sizes the static buffer, which every choice fits (see
+    ``elias_fano_low_bits``)."""
+    if self.positions in ("bin", "elias_fano"):
       return index_bits(min(self.bin_size, max(self.sizes))) + 1
     return index_bits(max(self.sizes)) + 1
 
   @property
   def unary_bits(self) -> int:
-    """``positions="bin"``: the most bits the bins' unary counts take (a one per code and
-    a zero closing each bin); 0 otherwise."""
-    return sum(self.bins) + self.cap if self.positions == "bin" else 0
+    """``positions="bin"`` (and the static buffer of ``"elias_fano"``): the most bits the
+    bins' unary counts take (a one per code and a zero closing each bin); 0 otherwise."""
+    return sum(self.bins) + self.cap if self.positions in ("bin", "elias_fano") else 0
 
   @property
   def body_words(self) -> int:
@@ -179,6 +186,22 @@ class Layout:
     """Index of each tensor's first bin among all the tensors' bins."""
     return tuple(sum(self.bins[:i]) for i in range(len(self.sizes)))
 
+  @property
+  def universe(self) -> int:
+    """``positions="elias_fano"``: the places of all the tensors' elements, end to end."""
+    return sum(self.sizes)
+
+  @property
+  def starts(self) -> Tuple[int, ...]:
+    """Each tensor's first place among ``universe`` (no padding between tensors)."""
+    return tuple(sum(self.sizes[:i]) for i in range(len(self.sizes)))
+
+  @property
+  def max_low_bits(self) -> int:
+    """``positions="elias_fano"``: the most low bits a code may carry (then one bucket
+    of ``2**low_bits`` places holds the whole universe)."""
+    return index_bits(self.universe)
+
 
 # ------------------------------------------------------------------------ compress
 
@@ -195,10 +218,13 @@ class Compressed(NamedTuple):
       (NaN when not finite), or with ``scale="bin"`` its bins' bfloat16 scales.
     codes: int32 words (``Layout.body_words``), the bit-packed codes (``position in its
       tensor << 1 | (G < 0)``, or with ``positions="bin"`` ``offset in its bin << 1 |
-      (G < 0)``, ``Layout.bits`` each, tensor by tensor, positions increasing); with
-      ``positions="bin"`` the unary counts follow from the word after the last code
+      (G < 0)``, or with ``"elias_fano"`` ``low bits of its place << 1 | (G < 0)``,
+      ``bits`` each, tensor by tensor, positions increasing); with ``positions="bin"``
+      or ``"elias_fano"`` the unary counts follow from the word after the last code
       (``body_used_words``); zeros after.
     residues: the new residue of each tensor, of its residue's dtype and shape.
+    bits: int32, the width of the codes: ``Layout.bits``, or with ``"elias_fano"`` the
+      payload's own (its low bits and a sign).
   """
   count: tf.Tensor
   counts: List[tf.Tensor]
@@ -206,6 +232,7 @@ class Compressed(NamedTuple):
   scales: List[tf.Tensor]
   codes: tf.Tensor
   residues: List[tf.Tensor]
+  bits: tf.Tensor
 
 
 class _Selection(NamedTuple):
@@ -239,6 +266,20 @@ def compress(grads: Sequence[tf.Tensor], residues: Sequence[tf.Tensor],
            for o, blocks in zip(lay.offsets, lay.blocks)]
   counts = [tf.reduce_sum(popcounts[start:end]) for start, end in spans]
   count = tf.add_n(counts)
+  codes, bits = _body(words, signs, count, lay)
+  return Compressed(count, counts, [p.finite for p in parts], [p.wire_scale for p in parts],
+                    codes, [p.new_residue(words[start:end])
+                            for p, (start, end) in zip(parts, spans)], bits)
+
+
+def _body(words, signs, count, lay: Layout):
+  """The body words of the sent positions (codes, and unary counts after them), and
+  the codes' width (int32)."""
+  if lay.positions == "elias_fano":
+    low_bits = elias_fano_low_bits(count, lay)
+    body = _by_tier(lambda slots: _elias_fano_body(words, signs, slots, count, low_bits, lay),
+                    words, lay.cap, count, lay.body_words)
+    return body, tf.cast(low_bits + 1, tf.int32)
   index_of = None
   if len(lay.sizes) > 1:
     offsets = tf.constant(lay.offsets, tf.int32)
@@ -252,9 +293,7 @@ def compress(grads: Sequence[tf.Tensor], residues: Sequence[tf.Tensor],
   codes = _packed_codes(words, signs, lay.cap, count, lay.bits, index_of)
   if lay.positions == "bin":
     codes = _joined(codes, _unary_counts(words, count, lay), count, lay)
-  return Compressed(count, counts, [p.finite for p in parts], [p.wire_scale for p in parts],
-                    codes, [p.new_residue(words[start:end])
-                            for p, (start, end) in zip(parts, spans)])
+  return codes, tf.constant(lay.bits, tf.int32)
 
 
 def _select(grad, residue, n: int, lay: Layout) -> _Selection:
@@ -377,13 +416,106 @@ def _low_bits_set(length, nwords: int):
 
 
 def body_used_words(count, lay: Layout):
-  """Words of a body that carry its ``count`` codes (and, with ``positions="bin"``, the
-  unary counts after them): what must be sent."""
+  """Words of a body that carry its ``count`` codes (and, with ``positions="bin"`` or
+  ``"elias_fano"``, the unary counts after them): what must be sent."""
   count = tf.cast(count, tf.int64)
+  if lay.positions == "elias_fano":
+    low_bits = elias_fano_low_bits(count, lay)
+    return _elias_fano_words(count, low_bits + 1, _buckets(low_bits, lay))
   used = (count * lay.bits + 31) // 32
   if lay.positions == "bin":
     used += (sum(lay.bins) + count + 31) // 32
   return used
+
+
+# ----------------------------------------------------- positions="elias_fano"
+#
+# The sent positions, as places among all the bucket's elements (tensor after tensor,
+# ``Layout.starts``), form one increasing sequence; Elias-Fano splits each place into
+# its ``low_bits`` low bits, sent in the code beside the sign, and its high part, the
+# bucket of ``2**low_bits`` places it falls in, sent in unary: one 1 per code of a
+# bucket, then a 0. ``positions="bin"`` is the same code with buckets of L_T places
+# restarted at each tensor; a width chosen from the count fits the codes' real spacing
+# (about ``universe / count``): on Adam's flat updates a bin of 500 sends ten codes,
+# and a 9-bit offset wastes four bits of each.
+
+
+def _buckets(low_bits, lay: Layout):
+  """int64: buckets of ``2**low_bits`` places that cover the universe."""
+  low_bits = tf.cast(low_bits, tf.int64)
+  return tf.bitwise.right_shift(lay.universe + tf.bitwise.left_shift(
+      tf.constant(1, tf.int64), low_bits) - 1, low_bits)
+
+
+def _elias_fano_words(count, bits, buckets):
+  """Words of ``count`` codes of ``bits`` bits, then ``buckets + count`` unary bits."""
+  return (count * bits + 31) // 32 + (buckets + count + 31) // 32
+
+
+def elias_fano_low_bits(count, lay: Layout):
+  """int64: the low bits whose body takes the fewest words for ``count`` codes (an int
+  tensor of any shape; the smallest of equals), in ``[0, lay.max_low_bits]``, among
+  those whose unary counts take at most ``lay.unary_bits`` bits (those of
+  ``positions="bin"``: the decoder's arrays stay that size; only rows of nearly their
+  capacity are held to longer codes by it).
+
+  ``lay.bits - 1`` (a bin's offset, or the largest tensor's index) is among the
+  candidates (its buckets of ``2**(bits - 1)`` places are no more than the bins), and
+  its body fits the static buffer (``Layout.body_words``), so the smallest one does too.
+  """
+  low_bits = tf.range(lay.max_low_bits + 1, dtype=tf.int64)
+  count = tf.cast(count, tf.int64)[..., None]
+  buckets = _buckets(low_bits, lay)
+  words = tf.where(buckets + count <= lay.unary_bits,
+                   _elias_fano_words(count, low_bits + 1, buckets), lay.body_words + 1)
+  return tf.argmin(words, axis=-1, output_type=tf.int64)
+
+
+def _elias_fano_body(words, signs, slots: int, count, low_bits, lay: Layout):
+  """The body of ``count`` codes (at most ``slots``) with ``low_bits``: the codes
+  packed from bit 0, the unary high parts from the word after the last code, in one
+  scatter of disjoint bits."""
+  nwords = lay.body_words
+  positions, _, _ = compaction.select_positions(words, slots)
+  negative = tf.bitwise.bitwise_and(
+      tf.bitwise.right_shift(tf.gather(signs, positions // compaction.WORD_BITS),
+                             tf.cast(positions % compaction.WORD_BITS, tf.uint32)), 1)
+  tensor = _tensor_of(positions, lay)
+  place = (tf.cast(positions, tf.int64) - tf.gather(tf.constant(lay.offsets, tf.int64), tensor)
+           + tf.gather(tf.constant(lay.starts, tf.int64), tensor))
+  ordinal = tf.range(slots, dtype=tf.int64)
+  live = ordinal < tf.cast(count, tf.int64)
+  low = tf.bitwise.bitwise_and(
+      place, tf.bitwise.left_shift(tf.constant(1, tf.int64), low_bits) - 1)
+  codes = tf.bitwise.bitwise_or(tf.bitwise.left_shift(low, 1), tf.cast(negative, tf.int64))
+  bits = low_bits + 1
+  code_ids, code_values = bitpack.pack_at(codes, bits, tf.constant(0, tf.int64), live, nwords)
+  # The j-th one of the unary stream is at bit (its bucket) + j.
+  one = 32 * ((tf.cast(count, tf.int64) * bits + 31) // 32) + (
+      tf.bitwise.right_shift(place, low_bits) + ordinal)
+  one_ids = tf.where(live, tf.bitwise.right_shift(one, 5), nwords)
+  one_values = tf.where(live, tf.bitwise.left_shift(
+      tf.constant(1, tf.int64), tf.bitwise.bitwise_and(one, 31)), 0)
+  return tf.bitcast(bitpack.scatter_words(tf.concat([code_ids, one_ids], 0),
+                                          tf.concat([code_values, one_values], 0), nwords),
+                    tf.int32)
+
+
+def _from_elias_fano(low, bucket, low_bits, lay: Layout):
+  """Positions within their tensors of codes with ``low`` bits in ``bucket``, and the
+  tensor each lies in (-1 for a place outside the universe: only a corrupt row has
+  them)."""
+  low_bits = tf.cast(low_bits, tf.int64)
+  buckets = _buckets(low_bits, lay)
+  bucket = tf.cast(bucket, tf.int64)
+  place = tf.bitwise.bitwise_or(
+      tf.bitwise.left_shift(tf.clip_by_value(bucket, 0, buckets), low_bits),
+      tf.cast(low, tf.int64))
+  tensor = tf.reduce_sum(tf.cast(
+      place[:, None] >= tf.constant(lay.starts[1:], tf.int64)[None], tf.int32), 1)
+  local = place - tf.gather(tf.constant(lay.starts, tf.int64), tensor)
+  ok = (bucket >= 0) & (bucket < buckets) & (place < lay.universe)
+  return tf.cast(tf.where(ok, local, 0), tf.int32), tf.where(ok, tensor, -1)
 
 
 def _joined(codes, unary, count, lay: Layout):
@@ -434,8 +566,14 @@ def _packed_codes(words, signs, cap: int, count, bits: int, index_of=None):
     packed = tf.bitcast(bitpack.pack(codes, bits), tf.int32)
     return tf.pad(tf.reshape(packed, [-1]), [[0, full_words - int(packed.shape[0])]])
 
+  return _by_tier(encode, words, cap, count, 0)
+
+
+def _by_tier(encode, words, cap: int, count, empty_words: int):
+  """``encode(slots)`` for as many slots as the tier of ``count`` holds (every slot of
+  the capacity in the GPU form); ``empty_words`` zeros when nothing can be sent."""
   if cap == 0:
-    return tf.zeros([0], tf.int32)
+    return tf.zeros([empty_words], tf.int32)
   if variant.gpu_form(words) and cap <= GPU_FULL_ENCODE_MAX_SLOTS:
     return encode(cap)
   return _in_smallest_tier(encode, count, cap, int(words.shape[0]) * compaction.WORD_BITS)
@@ -481,6 +619,8 @@ class Row(NamedTuple):
     bad: bool, the row does not match what the decoder expects: every tensor decodes
       to NaN.
     bad_tensors: one bool per tensor: that tensor decodes to NaN.
+    bits: int32, the row's code width (``positions="elias_fano"``: read from the row,
+      in ``[1, lay.max_low_bits + 1]``); None: ``Layout.bits``.
   """
   count: tf.Tensor
   counts: tf.Tensor
@@ -488,6 +628,7 @@ class Row(NamedTuple):
   codes: tf.Tensor
   bad: tf.Tensor
   bad_tensors: List[tf.Tensor]
+  bits: tf.Tensor = None
 
 
 def decode(payload, lay: Layout, shapes, dtype: tf.DType,
@@ -516,7 +657,7 @@ def decode(payload, lay: Layout, shapes, dtype: tf.DType,
   # in the same order and gets a bit-identical sum.
   for i in range(int(rows.shape[0])):
     row = read_row(rows[i], cd)
-    total = add_codes(total, row.codes, row.count, row.counts, row.scales, lay)
+    total = add_codes(total, row.codes, row.count, row.counts, row.scales, lay, row.bits)
     bad |= row.bad
     bad_tensors = [x | y for x, y in zip(bad_tensors, row.bad_tensors)]
   # NaN for a bad row, so that loss scaling and finiteness checks see it.
@@ -525,7 +666,7 @@ def decode(payload, lay: Layout, shapes, dtype: tf.DType,
           for shape, n, o, bad_t in zip(shapes, lay.sizes, lay.offsets, bad_tensors)]
 
 
-def add_codes(total, words, count, counts, scales, lay: Layout):
+def add_codes(total, words, count, counts, scales, lay: Layout, row_bits=None):
   """``total`` (``[lay.total + 1]``, the last element a sink) plus one row's codes.
 
   Codes come tensor by tensor, ``counts[t]`` of them for tensor ``t``, each carrying a
@@ -554,6 +695,7 @@ def add_codes(total, words, count, counts, scales, lay: Layout):
     counts: int32 ``[tensors]``, each tensor's codes (negative: none).
     scales: float ``[tensors]`` or ``[bins of all tensors]``, of ``total``'s dtype.
     lay: the ``Layout``.
+    row_bits: ``Row.bits``: with ``positions="elias_fano"``, the row's code width.
 
   Returns:
     The new ``total``.
@@ -568,15 +710,28 @@ def add_codes(total, words, count, counts, scales, lay: Layout):
   # (shifted back), not cut.
   padded = tf.pad(words, [[0, max(iterations * chunk_words - int(words.shape[0]), 0)]])
   steps = (tf.clip_by_value(count, 0, cap) + chunk - 1) // chunk
-  ranks = _unary_ranks(words, count, lay) if lay.positions == "bin" else None
+  elias_fano = lay.positions == "elias_fano"
+  if elias_fano:
+    # A corrupt width (the caller marks its row NaN) is clipped to one the code can hold.
+    row_bits = tf.clip_by_value(row_bits, 1, lay.max_low_bits + 1)
+  ranks = (_unary_ranks(words, count, lay, row_bits)
+           if lay.positions in ("bin", "elias_fano") else None)
 
   def add(i, total, chunks=1):  # chunks i, ..., i + chunks - 1
-    codes = bitpack.unpack(tf.slice(padded, [i * chunk_words], [chunks * chunk_words]),
-                           chunks * chunk, bits)
+    if elias_fano:
+      codes = bitpack.unpack_at(words, i * chunk, chunks * chunk, row_bits)
+    else:
+      codes = bitpack.unpack(tf.slice(padded, [i * chunk_words], [chunks * chunk_words]),
+                             chunks * chunk, bits)
     local = tf.cast(tf.bitwise.right_shift(codes, 1), tf.int32)
     ordinals = i * chunk + tf.range(chunks * chunk, dtype=tf.int32)
-    if ranks is not None:  # local is the offset in the code's bin
-      local, in_bin = _from_bin(local, _bins_of_codes(ordinals, *ranks, sum(lay.bins)), lay)
+    if elias_fano:  # local is the low bits of the code's place, its bucket in unary
+      buckets = tf.cast(tf.minimum(_buckets(row_bits - 1, lay), lay.unary_bits), tf.int32)
+      high = _bins_of_codes(ordinals, *ranks, buckets, lay.unary_bits)
+      local, in_bin = _from_elias_fano(local, high, row_bits - 1, lay)
+    elif ranks is not None:  # local is the offset in the code's bin
+      bins = sum(lay.bins)
+      local, in_bin = _from_bin(local, _bins_of_codes(ordinals, *ranks, bins, bins), lay)
     tensor, inside = _locate(ordinals, local, counts, lay)
     if ranks is not None:
       inside &= in_bin == tensor
@@ -601,22 +756,43 @@ def add_codes(total, words, count, counts, scales, lay: Layout):
   return total
 
 
-def _unary_words(words, count, lay: Layout):
-  """The unary counts of a ``positions="bin"`` body (uint32 ``words``), read from the
-  word after its last code."""
+def _unary_words(words, count, lay: Layout, row_bits=None):
+  """The unary counts of a ``positions="bin"`` or ``"elias_fano"`` body (uint32
+  ``words``), read from the word after its last code (of ``row_bits`` bits with
+  ``"elias_fano"``); ``Layout.unary_bits`` bits, rounded up to words."""
+  count = tf.clip_by_value(count, 0, lay.cap)
   nwords = -(-lay.unary_bits // 32)
-  start = (tf.clip_by_value(count, 0, lay.cap) * lay.bits + 31) // 32
-  room = bitpack.packed_words(lay.cap, lay.bits) + nwords - int(words.shape[0])
+  if lay.positions == "elias_fano":
+    widest = lay.max_low_bits + 1
+    start = (count * row_bits + 31) // 32
+  else:
+    widest = lay.bits
+    start = (count * lay.bits + 31) // 32
+  room = bitpack.packed_words(lay.cap, widest) + nwords - int(words.shape[0])
   padded = tf.pad(words, [[0, max(room, 0)]])
   # A gather, not tf.slice: XLA takes a slice's start as a compile-time constant, and a
   # start that follows the count would compile a new program for every count.
   return tf.gather(padded, start + tf.range(nwords, dtype=start.dtype))
 
 
-def unary_mismatch(words, count, lay: Layout):
-  """bool: a ``positions="bin"`` body whose unary counts do not hold exactly ``count``
-  ones and ``sum(bins)`` zeros in their first ``sum(bins) + count`` bits (a corrupt row).
+def unary_mismatch(words, count, lay: Layout, row_bits=None):
+  """bool: a corrupt row. With ``positions="bin"``: unary counts that do not hold
+  exactly ``count`` ones and ``sum(bins)`` zeros in their first ``sum(bins) + count``
+  bits. With ``"elias_fano"``: a width ``row_bits`` outside ``[1, max_low_bits + 1]``,
+  a body longer than the buffer or unary counts longer than ``Layout.unary_bits``, or
+  unary counts without exactly ``count`` ones in their first ``buckets + count`` bits.
   False for ``positions="tensor"``."""
+  if lay.positions == "elias_fano":
+    clipped = tf.clip_by_value(row_bits, 1, lay.max_low_bits + 1)
+    unary = _unary_words(words, count, lay, clipped)
+    nwords = int(unary.shape[0])
+    count64 = tf.cast(tf.clip_by_value(count, 0, lay.cap), tf.int64)
+    buckets = _buckets(clipped - 1, lay)
+    length = tf.minimum(buckets + count64, 32 * nwords + 1)
+    used = tf.bitcast(_low_bits_set(tf.cast(length, tf.int32), nwords), tf.uint32)
+    return ((row_bits != clipped) | (buckets + count64 > lay.unary_bits)
+            | (_elias_fano_words(count64, tf.cast(clipped, tf.int64), buckets) > lay.body_words)
+            | (tf.reduce_sum(compaction.popcount(tf.bitwise.bitwise_and(unary, used))) != count))
   if lay.positions != "bin" or not lay.unary_bits:
     return tf.constant(False)
   unary = _unary_words(words, count, lay)
@@ -626,22 +802,23 @@ def unary_mismatch(words, count, lay: Layout):
   return tf.reduce_sum(compaction.popcount(tf.bitwise.bitwise_and(unary, used))) != count
 
 
-def _unary_ranks(words, count, lay: Layout):
-  """The unary counts of a ``positions="bin"`` body (uint32 words) and, for each of
-  their words, the ones before it: what ``_bins_of_codes`` searches."""
-  unary = _unary_words(words, count, lay)
+def _unary_ranks(words, count, lay: Layout, row_bits=None):
+  """The unary counts of a ``positions="bin"`` or ``"elias_fano"`` body (uint32 words)
+  and, for each of their words, the ones before it: what ``_bins_of_codes`` searches."""
+  unary = _unary_words(words, count, lay, row_bits)
   return unary, compaction.cumsum(compaction.popcount(unary), exclusive=True)
 
 
-def _bins_of_codes(ordinals, unary, before, bins: int):
-  """The bin (among all the tensors' bins) of each code ``ordinals`` (its place in
-  the row, below the row's count): the ``j``-th one of the unary counts, at stream bit
-  ``p``, has ``p - j`` closing zeros before it. Its word is the last one with at most
-  ``j`` ones before it: a binary search over ``before`` (one gather per halving), among
-  the words of bits ``j`` to ``j + bins`` (the ``bins`` zeros are all the bits that are
-  not ones), then the bit within the word. Per chunk of codes and with no conditional:
-  selecting the ones' positions in tiers of slots, as the encoder does, made the decoder
-  three times the program to compile."""
+def _bins_of_codes(ordinals, unary, before, bins, most_bins: int):
+  """The bin (among all the tensors' bins; with ``positions="elias_fano"``, the bucket)
+  of each code ``ordinals`` (its place in the row, below the row's count): the ``j``-th
+  one of the unary counts, at stream bit ``p``, has ``p - j`` closing zeros before it.
+  Its word is the last one with at most ``j`` ones before it: a binary search over
+  ``before`` (one gather per halving), among the words of bits ``j`` to ``j + bins``
+  (the ``bins`` zeros are all the bits that are not ones; with ``"elias_fano"`` the
+  row's buckets, a tensor, at most ``most_bins``), then the bit within the word. Per
+  chunk of codes and with no conditional: selecting the ones' positions in tiers of
+  slots, as the encoder does, made the decoder three times the program to compile."""
   n = int(before.shape[0])
 
   def halve(lo, hi):  # lo: the first word with more than j ones before it
@@ -651,15 +828,16 @@ def _bins_of_codes(ordinals, unary, before, bins: int):
 
   first = tf.bitwise.right_shift(ordinals, 5)  # the word of bit j (32 bits a word)
   bounds = (tf.minimum(first, n), tf.minimum(first + (bins // 32 + 2), n))
-  halvings = (bins // 32 + 2).bit_length()
+  halvings = (most_bins // 32 + 2).bit_length()
   if variant.gpu_form(ordinals):  # no control flow in the GPU form
     for _ in range(halvings):
       bounds = halve(*bounds)
     lo = bounds[0]
   else:
     # A loop on CPU, not unrolled halvings: XLA's fusion copied each halving's lo and
-    # hi into every later one, and the decoder grew by thousands of instructions.
-    lo, _ = tf.while_loop(lambda lo, hi: True, halve, bounds,
+    # hi into every later one, and the decoder grew by thousands of instructions. It
+    # stops when every search has (a row of few buckets needs fewer halvings).
+    lo, _ = tf.while_loop(lambda lo, hi: tf.reduce_any(lo < hi), halve, bounds,
                           maximum_iterations=halvings)
   word = tf.maximum(lo - 1, 0)
   bit = compaction.nth_set_bit(tf.gather(unary, word), ordinals - tf.gather(before, word))

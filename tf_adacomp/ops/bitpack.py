@@ -92,3 +92,66 @@ def unpack(words: tf.Tensor, count: int, bits: int) -> tf.Tensor:
   codes = tf.bitwise.bitwise_and(
       tf.bitwise.right_shift(both, tf.cast(start % 32, tf.uint64)), mask)
   return tf.cast(codes, tf.uint32)
+
+
+def pack_at(codes: tf.Tensor, bits, first_bit, live, nwords: int) -> tf.Tensor:
+  """Bit positions and words of codes whose width is known only when the program runs.
+
+  Code ``j`` of ``codes`` occupies stream bits ``[first_bit + j * bits, ... + bits)``,
+  laid out as ``pack`` lays them; only the codes where ``live`` is true are written.
+  Returns the pieces for ``scatter_words``: each code touches at most two words.
+
+  Args:
+    codes: 1-D ``int64`` codes, each below ``2**bits``.
+    bits: int64 scalar tensor in [1, 32].
+    first_bit: int64 scalar tensor, the stream bit of code 0.
+    live: 1-D bool, which codes to write.
+    nwords: Python int, the words of the stream (a dead code goes to word ``nwords``,
+      the sink).
+
+  Returns:
+    ``(word ids, int64 values)`` to be summed into ``nwords + 1`` words.
+  """
+  start = first_bit + tf.range(tf.shape(codes, out_type=tf.int64)[0]) * bits
+  word = tf.where(live, tf.bitwise.right_shift(start, 5), nwords)
+  shifted = tf.bitwise.left_shift(tf.where(live, codes, 0), tf.bitwise.bitwise_and(start, 31))
+  low = tf.bitwise.bitwise_and(shifted, 0xFFFFFFFF)
+  high = tf.bitwise.right_shift(shifted, 32)
+  return (tf.concat([word, tf.minimum(word + 1, nwords)], 0), tf.concat([low, high], 0))
+
+
+def scatter_words(ids, values, nwords: int) -> tf.Tensor:
+  """``nwords`` uint32 words from the disjoint bits ``values`` (int64, each below 2**32)
+  added at word ``ids`` (``nwords``: dropped). Disjoint bits add as a bitwise or."""
+  summed = tf.math.unsorted_segment_sum(values, tf.cast(ids, tf.int32), nwords + 1)
+  return tf.cast(tf.bitwise.bitwise_and(summed[:nwords], 0xFFFFFFFF), tf.uint32)
+
+
+def unpack_at(words: tf.Tensor, first: tf.Tensor, count: int, bits) -> tf.Tensor:
+  """Reads codes ``first .. first + count - 1`` of width ``bits`` (a tensor: the width is
+  read from the payload) from 1-D uint32 ``words``; words past the end read as zeros.
+
+  Args:
+    words: 1-D ``uint32`` tensor.
+    first: int scalar tensor, the ordinal of the first code to read.
+    count: Python int, how many codes to read.
+    bits: int scalar tensor in [1, 32].
+
+  Returns:
+    A 1-D ``uint32`` tensor of ``count`` codes.
+  """
+  n = int(words.shape[0])
+  bits = tf.cast(bits, tf.int64)
+  start = (tf.cast(first, tf.int64) + tf.range(count, dtype=tf.int64)) * bits
+  first_word = tf.cast(tf.minimum(tf.bitwise.right_shift(start, 5), n), tf.int32)
+  # A guard word of zeros: the index past the end, and the "next word" of the last code.
+  guarded = tf.concat([words, tf.zeros([1], words.dtype)], 0)
+  shift = tf.cast(tf.bitwise.bitwise_and(start, 31), tf.uint32)
+  lo = tf.bitwise.right_shift(tf.gather(guarded, first_word), shift)
+  # The next word's bits above the first word's: none when the code starts at bit 0
+  # (a shift by 32 is not defined).
+  hi = tf.where(shift > 0, tf.bitwise.left_shift(
+      tf.gather(guarded, tf.minimum(first_word + 1, n)), (32 - shift) % 32), 0)
+  mask = tf.where(bits >= 32, tf.constant(0xFFFFFFFF, tf.uint32), tf.bitwise.left_shift(
+      tf.constant(1, tf.uint32), tf.cast(tf.minimum(bits, 31), tf.uint32)) - 1)
+  return tf.bitwise.bitwise_and(tf.bitwise.bitwise_or(lo, hi), mask)
