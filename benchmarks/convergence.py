@@ -38,7 +38,8 @@ estimate of the global batch's second moment, the default) or ``+local`` (its ow
 dense and recurrent kernels; also L150, L250 and L500: with Adam inside, the library's
 default is 250, 500 before). ``adacomp-tpos``, ``adacomp-tpos+updates``, ``...+H8``, ``...+global``:
 AdaComp with positions in tensors (``positions="tensor"``, the format before positions in
-bins: the same values, more bytes). Each of them compresses every exchange (``dense_when_faster=False``);
+bins: the same values, more bytes); ``adacomp-bpos...`` the same with positions in bins
+(``positions="bin"``, the default before Elias-Fano codes). Each of them compresses every exchange (``dense_when_faster=False``);
 ``adacomp+auto``, ``adacomp+updates+auto``, ``adacomp+updates+global+auto`` and
 ``adacomp+updates+H8+auto`` are the library's default choice instead, measured on this
 host (with one host's fast exchange, it often chooses dense). A variant whose
@@ -176,13 +177,16 @@ for _h in (2, 4, 8, 16, 32, 64):
         "adacomp", _compressor_options, {"exchange": "updates", "local_steps": _h,
                                          "outer_optimizer": "average",
                                          "second_moment": "global"})
-# "adacomp-tpos...": AdaComp's positions in tensors (positions="tensor", the format
-# before positions in bins): the same values in more bytes, for the ratio before.
+# "adacomp-tpos..." and "adacomp-bpos...": AdaComp's positions in tensors
+# (positions="tensor", the format before positions in bins) or in bins (positions="bin",
+# the default before Elias-Fano codes): the same values in more bytes, for the ratio
+# before.
 for _name in ("adacomp", "adacomp+updates", "adacomp+updates+H8", "adacomp+updates+global",
               "adacomp+updates+H8+global"):
   _compressor, _compressor_options, _options = VARIANTS[_name]
-  VARIANTS[_name.replace("adacomp", "adacomp-tpos", 1)] = (
-      _compressor, dict(_compressor_options, positions="tensor"), _options)
+  for _tag, _positions in (("tpos", "tensor"), ("bpos", "bin")):
+    VARIANTS[_name.replace("adacomp", f"adacomp-{_tag}", 1)] = (
+        _compressor, dict(_compressor_options, positions=_positions), _options)
 # "+auto": the same with CompressedOptimizer's default dense_when_faster, which on one
 # host often chooses the dense exchange (its time is measured on this machine).
 for _name in ("adacomp", "adacomp+updates", "adacomp+updates+global", "adacomp+updates+H8"):

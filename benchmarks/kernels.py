@@ -114,9 +114,9 @@ def main():
   parser.add_argument("--full_capacity_limit", default="16M",
                       help="skip max_density=1.0 above this many elements (memory: its "
                       "payload buffers are larger than the tensor)")
-  parser.add_argument("--positions", default="bin",
-                      help="AdaComp positions to measure: bin (the default), tensor, or both "
-                      "(bin,tensor)")
+  parser.add_argument("--positions", default=tf_adacomp.AdaComp().positions,
+                      help="AdaComp positions to measure: elias_fano (the default), bin, "
+                      "tensor, or several (elias_fano,bin)")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--json", default="out/kernels.json")
   args = parser.parse_args()

@@ -12,6 +12,11 @@ from tf_adacomp.ops import adacomp as adacomp_ops
 from tf_adacomp.ops import adacomp_bucket
 from tf_adacomp.ops import checks
 
+# Buckets send positions as Elias-Fano codes: the same values as "bin" (the default
+# before) in no more bytes. A config saved without `positions` (when "bin" was the
+# default) loads with this one: the values sent are the same, only their bytes differ.
+DEFAULT_POSITIONS = "elias_fano"
+
 
 @registry.register("adacomp")
 @keras.saving.register_keras_serializable(package="tf_adacomp")
@@ -41,20 +46,23 @@ class AdaComp(base.Compressor):
       compressing each on its own (``ops.adacomp_bucket``); the payload's header holds
       each tensor's scale and count (docs/wire_format.md#buckets). False sends one
       payload per tensor.
-    positions: where a code's position is counted from. "bin" (the default with
-      ``fuse=True``): its offset in its bin (``index_bits(L_T)`` bits: 6 for L_T = 50,
-      9 for 500), each bin's count of codes in unary (a bit per code and one per bin);
-      "tensor": its index in its tensor (``index_bits(n)`` bits, 20 for a million
-      elements), the format before, and the only one of ``fuse=False``. The same values
-      either way; "bin" takes fewer bytes unless bins send fewer than about one code per
-      9-10 bins (docs/wire_format.md#positions-in-bins). None: "bin", or "tensor" with
-      ``fuse=False``.
+    positions: how a code's position is sent; the same values either way, in different
+      bytes. "elias_fano" (the default with ``fuse=True``): the sent positions of a
+      bucket as one increasing sequence, each split into low bits sent in its code and
+      a high part sent in unary, the split chosen per payload to take the fewest words
+      (docs/wire_format.md#positions-elias-fano): never more bytes than "bin", and fewer
+      the more codes a bin sends. "bin": its offset in its bin (``index_bits(L_T)``
+      bits: 6 for L_T = 50, 9 for 500), each bin's count of codes in unary (a bit per
+      code and one per bin), the default before. "tensor": its index in its tensor
+      (``index_bits(n)`` bits, 20 for a million elements), and the only one of
+      ``fuse=False``. None: "elias_fano", or "tensor" with ``fuse=False``.
 
   Raises:
     ValueError: a bin size < 1, a ``bin_sizes`` pattern that is not a string or not a
       valid regular expression, ``max_density`` outside (0, 1], ``min_size`` < 0,
-      ``scale`` not "tensor" or "bin", ``fuse`` not a bool, ``positions`` not "tensor"
-      or "bin", or ``positions="bin"`` with ``fuse=False``.
+      ``scale`` not "tensor" or "bin", ``fuse`` not a bool, ``positions`` not
+      "elias_fano", "bin" or "tensor", or a bucket format ("elias_fano", "bin") with
+      ``fuse=False``.
   """
 
   @_keywords.suggest_keywords
@@ -86,7 +94,7 @@ class AdaComp(base.Compressor):
     self.max_density = checks.fraction(max_density, "max_density")
     self.scale = adacomp_ops.check_scale(scale, bin_size=1)
     self.fuse = checks.boolean(fuse, "fuse")
-    default_positions = "bin" if self.fuse else "tensor"
+    default_positions = DEFAULT_POSITIONS if self.fuse else "tensor"
     self.positions = adacomp_ops.check_positions(
         default_positions if positions is None else positions)
     if self.positions != "tensor" and not self.fuse:
@@ -174,7 +182,7 @@ class AdaComp(base.Compressor):
     config = {} if self.scale == "tensor" else {"scale": self.scale}
     if not self.fuse:
       config["fuse"] = False
-    if self.positions != ("bin" if self.fuse else "tensor"):
+    if self.positions != (DEFAULT_POSITIONS if self.fuse else "tensor"):
       config["positions"] = self.positions
     return config
 
