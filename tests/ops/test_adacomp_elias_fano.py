@@ -176,3 +176,20 @@ def test_new_counts_and_widths_decode_without_compiling_again():
   with open("/proc/self/maps") as f:
     after = sum(1 for _ in f)
   assert after - before < 40, (before, after)
+
+
+def test_a_code_counted_for_one_tensor_at_a_place_in_another_is_dropped():
+  # Tensor 1's first code, counted as tensor 0's last: its place is in tensor 1, so
+  # neither tensor takes it (a tensor takes only codes at its own places).
+  payload = _payload()
+  counts = payload[4:6].copy()
+  assert 0 < counts[0] < adacomp_core.capacity(1152, 0.25) and counts[1] > 0
+  moved = payload.copy()
+  moved[4:6] = [counts[0] + 1, counts[1] - 1]
+  intact = [d.numpy().reshape(-1) for d in _decode(payload)]
+  got = [d.numpy().reshape(-1) for d in _decode(moved)]
+  np.testing.assert_array_equal(got[0], intact[0])
+  first = np.flatnonzero(intact[1])[0]  # tensor 1's codes come in increasing positions
+  want = intact[1].copy()
+  want[first] = 0
+  np.testing.assert_array_equal(got[1], want)
