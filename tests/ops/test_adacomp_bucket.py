@@ -11,123 +11,35 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import bucket_checks
 import numpy_reference as ref
-from tf_adacomp.ops import adacomp
 from tf_adacomp.ops import adacomp_bucket
 from tf_adacomp.ops import adacomp_core
 import tiers
 
 
-def _random(shapes, rng, dtype=np.float32, scale=1.0):
-  return [(rng.standard_normal(s) * scale * (rng.random(s) > 0.05)).astype(dtype)
-          for s in shapes]
-
-
-def _per_tensor(grads, residues, bin_size, max_density, scale, rows=1):
-  """What the per-tensor kernels give for each tensor: (new residue, decoded)."""
-  out = []
-  for g, r in zip(grads, residues):
-    payload, new = adacomp.adacomp_compress(g, r, bin_size, max_density, scale=scale)
-    decoded = adacomp.adacomp_decompress(
-        tf.stack([payload] * rows), g.shape, tf.float32 if g.dtype != np.float64 else tf.float64,
-        scale=scale, bin_size=bin_size if scale == "bin" else None)
-    out.append((new.numpy(), decoded.numpy()))
-  return out
-
-
-def _check_reference(payload, new, grads, residues, bin_size, max_density, scale,
-                     positions="tensor"):
-  """The bucket payload and new residues against the NumPy reference, tensor by tensor
-  (independent of the kernel that the bucket and per-tensor paths share)."""
-  sizes = [g.size for g in grads]
-  got = ref.unpack_bucket(payload.numpy(), sizes, bin_size, per_bin=(scale == "bin"),
-                          max_density=max_density)
-  assert got.flags & ref.BUCKET_FLAG
-  assert bool(got.flags & ref.BIN_SCALE_FLAG) == (scale == "bin")
-  assert bool(got.flags & ref.BIN_POSITIONS_FLAG) == (positions == "bin")
-  assert bool(got.flags & ref.ELIAS_FANO_FLAG) == (positions == "elias_fano")
-  assert got.count == sum(max(c, 0) for c in got.counts)
-  bin_start = 0
-  for t, (g, r) in enumerate(zip(grads, residues)):
-    if scale == "bin":
-      want = ref.reference_compress_per_bin(g, r, bin_size, max_density)
-      bins = ref.bins_for(g.size, bin_size)
-      if want.finite:
-        np.testing.assert_array_equal(got.scales[bin_start:bin_start + bins], want.scales)
-      bin_start += bins
-    else:
-      want = ref.reference_compress(g, r, bin_size, max_density)
-      if want.finite:
-        # The mean of the bin maxima may differ from the exact one by an ulp.
-        assert ref.ulp_diff_f32(got.scales[t], want.scale) <= 1
-        want = ref.reference_compress(g, r, bin_size, max_density, scale=got.scales[t])
-      else:
-        assert np.isnan(got.scales[t])
-    assert got.counts[t] == (want.count if want.finite else -1)
-    assert got.pairs[t] == want.pairs()
-    np.testing.assert_array_equal(new[t].numpy(), want.new_residue, err_msg=f"residue {t}")
-
-
-def _check_bit_identical(shapes, bin_size, max_density, scale, seed, dtype=np.float32,
-                         nan_at=None, rows=2, positions="tensor"):
-  rng = np.random.default_rng(seed)
-  grads = _random(shapes, rng, dtype, scale=rng.choice([1e-6, 1.0, 1e3]))
-  residues = _random(shapes, rng, np.float64 if dtype == np.float64 else np.float32, 0.3)
-  if nan_at is not None:
-    grads[nan_at].flat[0] = np.nan
-  payload, new = adacomp_bucket.compress(grads, residues, bin_size, max_density, scale,
-                                         positions)
-  lay = adacomp_bucket.layout([g.size for g in grads], bin_size, max_density, scale,
-                              positions)
-  assert payload.shape == [lay.width] and payload.dtype == tf.int32
-  out_dtype = tf.float64 if dtype == np.float64 else tf.float32
-  # Each row only as long as its used words, the rest zeros (as the exchange pads them).
-  used = int(tf.reduce_sum(adacomp_bucket.tensor_nbytes(
-      payload, lay.sizes, bin_size, max_density, scale, positions))) // 4
-  assert not payload.numpy()[used:].any()
-  decoded = adacomp_bucket.decompress(tf.stack([payload] * rows), shapes, out_dtype,
-                                      bin_size, max_density, scale, positions)
-  expected = _per_tensor(grads, residues, bin_size, max_density, scale, rows)
-  for t, ((want_residue, want_decoded), got_residue, got_decoded) in enumerate(
-      zip(expected, new, decoded)):
-    np.testing.assert_array_equal(got_residue.numpy(), want_residue, err_msg=f"residue {t}")
-    np.testing.assert_array_equal(got_decoded.numpy(), want_decoded, err_msg=f"decoded {t}")
-  # Both paths run the same kernel (ops.adacomp_core): what they agree on is checked
-  # against the reference too.
-  _check_reference(payload, new, grads, residues, bin_size, max_density, scale, positions)
-  return grads, residues, payload
-
-
 # ------------------------------------------------------- 1. bit-identical to per tensor
-
-
-MLP_LIKE = ([(300, 40), (40,), (40, 10), (10,), (1,)], 500)
-CONV_LIKE = ([(3, 3, 8, 16), (16,), (3, 3, 16, 16), (7,)], 50)
-# Bins of one element select (nearly) every element: ~5,000 codes, so the decoder's loop
-# adds three chunks of DECODE_CHUNK (2,048) codes and the first tensor ends inside the
-# second.
-EVERY_ELEMENT = ([(3000,), (40, 50)], 1)
 
 
 # The fast tier keeps one bucket (per-bin scales: test_the_payload_matches_the_numpy_
 # reference); the others (and the hypothesis search below) run in the whole suite.
 @pytest.mark.parametrize("bucket,max_density,scale,positions", [
-    pytest.param(MLP_LIKE, 0.25, "tensor", "tensor", marks=pytest.mark.slow),
-    pytest.param(MLP_LIKE, 0.25, "tensor", "bin", marks=pytest.mark.slow),
-    pytest.param(MLP_LIKE, 1.0, "bin", "tensor", marks=pytest.mark.slow),
-    (CONV_LIKE, 0.01, "tensor", "tensor"), (CONV_LIKE, 0.25, "tensor", "bin"),
-    pytest.param(CONV_LIKE, 0.25, "bin", "tensor", marks=pytest.mark.slow),
-    pytest.param(CONV_LIKE, 0.25, "bin", "bin", marks=pytest.mark.slow),
-    pytest.param(EVERY_ELEMENT, 1.0, "tensor", "tensor", marks=pytest.mark.slow),
-    pytest.param(EVERY_ELEMENT, 1.0, "bin", "bin", marks=pytest.mark.slow)])
+    pytest.param(bucket_checks.MLP_LIKE, 0.25, "tensor", "tensor", marks=pytest.mark.slow),
+    pytest.param(bucket_checks.MLP_LIKE, 0.25, "tensor", "bin", marks=pytest.mark.slow),
+    pytest.param(bucket_checks.MLP_LIKE, 1.0, "bin", "tensor", marks=pytest.mark.slow),
+    (bucket_checks.CONV_LIKE, 0.01, "tensor", "tensor"), (bucket_checks.CONV_LIKE, 0.25, "tensor", "bin"),
+    pytest.param(bucket_checks.CONV_LIKE, 0.25, "bin", "tensor", marks=pytest.mark.slow),
+    pytest.param(bucket_checks.CONV_LIKE, 0.25, "bin", "bin", marks=pytest.mark.slow),
+    pytest.param(bucket_checks.EVERY_ELEMENT, 1.0, "tensor", "tensor", marks=pytest.mark.slow),
+    pytest.param(bucket_checks.EVERY_ELEMENT, 1.0, "bin", "bin", marks=pytest.mark.slow)])
 def test_a_bucket_is_bit_identical_to_per_tensor_kernels(bucket, max_density, scale,
                                                          positions):
   # Short last bins, tensors smaller than a word, and capacities that overflow; with
   # positions="bin" the same values (the per-tensor kernels send positions in tensors).
   shapes, bin_size = bucket
-  _, _, payload = _check_bit_identical(shapes, bin_size, max_density, scale,
+  _, _, payload = bucket_checks.check_bit_identical(shapes, bin_size, max_density, scale,
                                        seed=len(shapes), positions=positions)
-  if bucket is EVERY_ELEMENT:  # three chunks
+  if bucket is bucket_checks.EVERY_ELEMENT:  # three chunks
     assert int(payload[0]) > 2 * adacomp_core.DECODE_CHUNK
 
 
@@ -144,22 +56,22 @@ def test_a_bucket_is_bit_identical_to_per_tensor_kernels(bucket, max_density, sc
     seed=st.integers(0, 2**31 - 1))
 def test_any_bucket_is_bit_identical_to_per_tensor_kernels(sizes, bin_size, max_density,
                                                              scale, positions, seed):
-  _check_bit_identical([(n,) for n in sizes], bin_size, max_density, scale, seed,
+  bucket_checks.check_bit_identical([(n,) for n in sizes], bin_size, max_density, scale, seed,
                        positions=positions)
 
 
 @pytest.mark.slow  # float64 decoding: also tests/ops/test_adacomp.py's float64 reference cases
 def test_float64_buckets_are_bit_identical_too():
-  _check_bit_identical([(40, 30), (30,)], 50, 0.25, "tensor", 3, dtype=np.float64)
+  bucket_checks.check_bit_identical([(40, 30), (30,)], 50, 0.25, "tensor", 3, dtype=np.float64)
 
 
-# CONV_LIKE's layouts, as test_a_bucket_is_bit_identical_to_per_tensor_kernels runs them
+# bucket_checks.CONV_LIKE's layouts, as test_a_bucket_is_bit_identical_to_per_tensor_kernels runs them
 # (its fast case for "tensor"): the process has compiled their kernels already.
 @pytest.mark.parametrize("scale,max_density", [
     ("tensor", 0.01), pytest.param("bin", 0.25, marks=pytest.mark.slow)], ids=["tensor", "bin"])
 def test_one_non_finite_tensor_keeps_its_residue_and_decodes_to_nan_alone(scale, max_density):
-  shapes, bin_size = CONV_LIKE
-  grads, residues, payload = _check_bit_identical(
+  shapes, bin_size = bucket_checks.CONV_LIKE
+  grads, residues, payload = bucket_checks.check_bit_identical(
       shapes, bin_size, max_density, scale, 4, nan_at=1)
   _, new = adacomp_bucket.compress(grads, residues, bin_size, max_density, scale)
   np.testing.assert_array_equal(new[1].numpy(), residues[1])  # kept as it was
@@ -181,9 +93,9 @@ def test_one_non_finite_tensor_keeps_its_residue_and_decodes_to_nan_alone(scale,
 def test_the_payload_matches_the_numpy_reference(scale, positions):
   rng = np.random.default_rng(5)
   shapes = [(30, 40), (40,), (40, 10), (10,)]
-  grads, residues = _random(shapes, rng), _random(shapes, rng, scale=0.3)
+  grads, residues = bucket_checks.random_arrays(shapes, rng), bucket_checks.random_arrays(shapes, rng, scale=0.3)
   payload, new = adacomp_bucket.compress(grads, residues, 50, 0.05, scale, positions)
-  _check_reference(payload, new, grads, residues, 50, 0.05, scale, positions)
+  bucket_checks.check_reference(payload, new, grads, residues, 50, 0.05, scale, positions)
 
 
 def test_tensor_nbytes_add_up_to_the_used_words():
@@ -192,7 +104,7 @@ def test_tensor_nbytes_add_up_to_the_used_words():
   # compiled their kernels already.
   shapes = [(30, 40), (40,), (40, 10), (10,)]
   sizes = [int(np.prod(s)) for s in shapes]
-  grads, residues = _random(shapes, rng), _random(shapes, rng)
+  grads, residues = bucket_checks.random_arrays(shapes, rng), bucket_checks.random_arrays(shapes, rng)
   for scale, positions in (("tensor", "tensor"), ("bin", "tensor"), ("tensor", "bin")):
     payload, _ = adacomp_bucket.compress(grads, residues, 50, 0.05, scale, positions)
     shares = adacomp_bucket.tensor_nbytes(payload, sizes, 50, 0.05, scale,
@@ -220,7 +132,7 @@ def test_tensor_nbytes_add_up_to_the_used_words():
 def _bucket_payload(positions="tensor"):
   rng = np.random.default_rng(7)
   shapes = [(300,), (40, 5)]
-  payload, _ = adacomp_bucket.compress(_random(shapes, rng), _random(shapes, rng), 50, 0.25,
+  payload, _ = adacomp_bucket.compress(bucket_checks.random_arrays(shapes, rng), bucket_checks.random_arrays(shapes, rng), 50, 0.25,
                                        positions=positions)
   return payload.numpy(), shapes
 
@@ -328,8 +240,8 @@ def test_a_payload_of_a_new_count_decodes_without_compiling_again():
   rng = np.random.default_rng(11)
   payloads = []
   for scale in np.geomspace(1e-3, 1.0, 14):  # new counts, mostly in the smallest tier
-    grads = _random(shapes, rng, scale=1.0)
-    residues = _random(shapes, rng, scale=float(scale))
+    grads = bucket_checks.random_arrays(shapes, rng, scale=1.0)
+    residues = bucket_checks.random_arrays(shapes, rng, scale=float(scale))
     payloads.append(adacomp_bucket.compress(grads, residues, 50, 0.25, positions="bin")[0])
   assert len({int(p[0]) for p in payloads}) >= 10
 

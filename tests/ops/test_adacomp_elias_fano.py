@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import bucket_checks
 import numpy_reference as ref
-import test_adacomp_bucket as bucket_tests
 from tf_adacomp.ops import adacomp_bucket
 from tf_adacomp.ops import adacomp_core
 import tiers
@@ -22,16 +22,16 @@ EF = "elias_fano"
 
 
 @pytest.mark.parametrize("bucket,max_density,scale", [
-    (bucket_tests.CONV_LIKE, 0.25, "tensor"),
-    (bucket_tests.MLP_LIKE, 0.25, "tensor"),
-    pytest.param(bucket_tests.MLP_LIKE, 1.0, "bin", marks=pytest.mark.slow),
-    pytest.param(bucket_tests.CONV_LIKE, 0.01, "bin", marks=pytest.mark.slow),
-    pytest.param(bucket_tests.EVERY_ELEMENT, 1.0, "tensor", marks=pytest.mark.slow)])
+    (bucket_checks.CONV_LIKE, 0.25, "tensor"),
+    (bucket_checks.MLP_LIKE, 0.25, "tensor"),
+    pytest.param(bucket_checks.MLP_LIKE, 1.0, "bin", marks=pytest.mark.slow),
+    pytest.param(bucket_checks.CONV_LIKE, 0.01, "bin", marks=pytest.mark.slow),
+    pytest.param(bucket_checks.EVERY_ELEMENT, 1.0, "tensor", marks=pytest.mark.slow)])
 def test_a_bucket_is_bit_identical_to_per_tensor_kernels(bucket, max_density, scale):
   shapes, bin_size = bucket
-  _, _, payload = bucket_tests._check_bit_identical(  # pylint: disable=protected-access
+  _, _, payload = bucket_checks.check_bit_identical(
       shapes, bin_size, max_density, scale, seed=len(shapes), positions=EF)
-  if bucket is bucket_tests.EVERY_ELEMENT:  # three chunks of the decoder's loop
+  if bucket is bucket_checks.EVERY_ELEMENT:  # three chunks of the decoder's loop
     assert int(payload[0]) > 2 * adacomp_core.DECODE_CHUNK
 
 
@@ -45,7 +45,7 @@ def test_a_bucket_is_bit_identical_to_per_tensor_kernels(bucket, max_density, sc
     seed=st.integers(0, 2**31 - 1))
 def test_any_bucket_is_bit_identical_to_per_tensor_kernels(sizes, bin_size, max_density,
                                                              scale, seed):
-  bucket_tests._check_bit_identical(  # pylint: disable=protected-access
+  bucket_checks.check_bit_identical(
       [(n,) for n in sizes], bin_size, max_density, scale, seed, positions=EF)
 
 
@@ -53,8 +53,8 @@ def _compressed(shapes, residue_scale, positions, seed=0, bin_size=50, nonzero=N
   """A bucket payload and its bytes; ``nonzero``: that many nonzero gradient elements,
   residues zero (about one code each)."""
   rng = np.random.default_rng(seed)
-  grads = bucket_tests._random(shapes, rng)  # pylint: disable=protected-access
-  residues = bucket_tests._random(shapes, rng, scale=residue_scale)  # pylint: disable=protected-access
+  grads = bucket_checks.random_arrays(shapes, rng)
+  residues = bucket_checks.random_arrays(shapes, rng, scale=residue_scale)
   if nonzero is not None:
     for g, r in zip(grads, residues):
       g[rng.random(g.shape) >= nonzero / sum(x.size for x in grads)] = 0
