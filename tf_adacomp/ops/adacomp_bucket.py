@@ -84,8 +84,9 @@ def layout(sizes, bin_size, max_density=1.0, scale="tensor", positions="tensor")
     max_density: fraction in (0, 1]: each tensor's capacity, as a fraction of its
       elements.
     scale: "tensor" or "bin".
-    positions: "tensor" (a code carries its position in its tensor) or "bin" (its offset
-      in its bin, the bins' counts in unary after the codes).
+    positions: "tensor" (a code carries its position in its tensor), "bin" (its offset
+      in its bin, the bins' counts in unary after the codes) or "elias_fano" (the low
+      bits of its place among the bucket's elements, the rest in unary after the codes).
 
   Returns:
     The ``Layout``.
@@ -199,9 +200,11 @@ def compress(grads, residues, bin_size: int, max_density: float = 1.0,
     bin_size: int >= 1, the bin length L_T of every tensor of the bucket.
     max_density: fraction in (0, 1]: each tensor's payload capacity.
     scale: "tensor" (one scale per tensor) or "bin" (one bfloat16 scale per bin).
-    positions: "tensor" (a code carries its position in its tensor) or "bin" (its offset
+    positions: "tensor" (a code carries its position in its tensor), "bin" (its offset
       in its bin, the bins' counts in unary: fewer bytes, the same values;
-      docs/wire_format.md#positions-in-bins).
+      docs/wire_format.md#positions-in-bins) or "elias_fano" (the low bits of its place
+      among the bucket's elements, the rest in unary, the split chosen per payload: no
+      more bytes than "bin"; docs/wire_format.md#positions-elias-fano).
 
   Returns:
     ``(payload, new_residues)``: a 1-D int32 payload of static length
@@ -236,8 +239,8 @@ def decompress(payload, shapes, dtype=tf.float32, bin_size: int = 1,
     A list of dense tensors: the sum over rows of each gradient's ternary values, added
     in row order. A tensor is NaN if a row marks it non-finite (its count -1) or carries
     a non-finite scale for it; all are NaN if a row does not match the layout (its
-    flags, counts or capacity, or with ``positions="bin"`` unary counts that do not
-    hold its codes).
+    flags, counts or capacity, or with ``positions="bin"`` or ``"elias_fano"`` unary
+    counts that do not hold its codes, or with ``"elias_fano"`` a width out of range).
 
   Raises:
     TypeError: ``payload`` is not int32 or ``dtype`` not a float type.
@@ -259,7 +262,8 @@ def tensor_nbytes(payload, sizes, bin_size: int, max_density: float = 1.0,
                   scale: str = "tensor", positions: str = "tensor"):
   """Bytes each tensor of a bucket payload occupies on the wire; they sum to the
   payload's used bytes (``4 * (header words + ceil(count * bits / 32))``, with
-  ``positions="bin"`` plus ``4 * ceil((bins + count) / 32)``).
+  ``positions="bin"`` plus ``4 * ceil((bins + count) / 32)``, with ``"elias_fano"`` the
+  payload's own ``bits`` plus ``4 * ceil((buckets + count) / 32)``).
 
   Args:
     payload: int32 ``[words]`` or ``[replicas, words]`` bucket payload.

@@ -714,6 +714,7 @@ def add_codes(total, words, count, counts, scales, lay: Layout, row_bits=None):
   if elias_fano:
     # A corrupt width (the caller marks its row NaN) is clipped to one the code can hold.
     row_bits = tf.clip_by_value(row_bits, 1, lay.max_low_bits + 1)
+    buckets = tf.cast(tf.minimum(_buckets(row_bits - 1, lay), lay.unary_bits), tf.int32)
   ranks = (_unary_ranks(words, count, lay, row_bits)
            if lay.positions in ("bin", "elias_fano") else None)
 
@@ -726,7 +727,6 @@ def add_codes(total, words, count, counts, scales, lay: Layout, row_bits=None):
     local = tf.cast(tf.bitwise.right_shift(codes, 1), tf.int32)
     ordinals = i * chunk + tf.range(chunks * chunk, dtype=tf.int32)
     if elias_fano:  # local is the low bits of the code's place, its bucket in unary
-      buckets = tf.cast(tf.minimum(_buckets(row_bits - 1, lay), lay.unary_bits), tf.int32)
       high = _bins_of_codes(ordinals, *ranks, buckets, lay.unary_bits)
       local, in_bin = _from_elias_fano(local, high, row_bits - 1, lay)
     elif ranks is not None:  # local is the offset in the code's bin
