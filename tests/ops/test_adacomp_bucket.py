@@ -31,14 +31,21 @@ import tiers
     pytest.param(bucket_checks.CONV_LIKE, 0.25, "bin", "tensor", marks=pytest.mark.slow),
     pytest.param(bucket_checks.CONV_LIKE, 0.25, "bin", "bin", marks=pytest.mark.slow),
     pytest.param(bucket_checks.EVERY_ELEMENT, 1.0, "tensor", "tensor", marks=pytest.mark.slow),
-    pytest.param(bucket_checks.EVERY_ELEMENT, 1.0, "bin", "bin", marks=pytest.mark.slow)])
+    pytest.param(bucket_checks.EVERY_ELEMENT, 1.0, "bin", "bin", marks=pytest.mark.slow),
+    (bucket_checks.CONV_LIKE, 0.25, "tensor", "elias_fano"),
+    pytest.param(bucket_checks.MLP_LIKE, 0.25, "tensor", "elias_fano", marks=pytest.mark.slow),
+    pytest.param(bucket_checks.MLP_LIKE, 1.0, "bin", "elias_fano", marks=pytest.mark.slow),
+    pytest.param(bucket_checks.CONV_LIKE, 0.01, "bin", "elias_fano", marks=pytest.mark.slow),
+    pytest.param(bucket_checks.EVERY_ELEMENT, 1.0, "tensor", "elias_fano",
+                 marks=pytest.mark.slow)])
 def test_a_bucket_is_bit_identical_to_per_tensor_kernels(bucket, max_density, scale,
                                                          positions):
   # Short last bins, tensors smaller than a word, and capacities that overflow; with
-  # positions="bin" the same values (the per-tensor kernels send positions in tensors).
+  # positions="bin" or "elias_fano" the same values (the per-tensor kernels send
+  # positions in tensors).
   shapes, bin_size = bucket
   _, _, payload = bucket_checks.check_bit_identical(shapes, bin_size, max_density, scale,
-                                       seed=len(shapes), positions=positions)
+                                                    seed=len(shapes), positions=positions)
   if bucket is bucket_checks.EVERY_ELEMENT:  # three chunks
     assert int(payload[0]) > 2 * adacomp_core.DECODE_CHUNK
 
@@ -46,13 +53,13 @@ def test_a_bucket_is_bit_identical_to_per_tensor_kernels(bucket, max_density, sc
 # Sizes from a few values (each new layout compiles two kernels): around a word, a bin
 # and capacities of one code.
 @pytest.mark.slow
-@hypothesis.settings(max_examples=8, deadline=None)
+@hypothesis.settings(max_examples=12, deadline=None)
 @hypothesis.given(
     sizes=st.lists(st.sampled_from([1, 3, 31, 33, 64, 501, 700]), min_size=1, max_size=4),
     bin_size=st.sampled_from([1, 7, 32, 50, 500]),
     max_density=st.sampled_from([1.0, 0.25, 0.02]),
     scale=st.sampled_from(["tensor", "bin"]),
-    positions=st.sampled_from(["tensor", "bin"]),
+    positions=st.sampled_from(["tensor", "bin", "elias_fano"]),
     seed=st.integers(0, 2**31 - 1))
 def test_any_bucket_is_bit_identical_to_per_tensor_kernels(sizes, bin_size, max_density,
                                                              scale, positions, seed):

@@ -1,8 +1,9 @@
 """Positions as Elias-Fano codes (``positions="elias_fano"``,
-docs/wire_format.md#positions-elias-fano): the bucket kernels send the same values as
-with positions in tensors or bins, in a body whose width each payload chooses, checked
-against the independent NumPy reference (numpy_reference.unpack_bucket and
-elias_fano_low_bits, written from the format's description)."""
+docs/wire_format.md#positions-elias-fano): the width each payload chooses, its bytes,
+and corrupt or hostile rows, against the independent NumPy reference
+(numpy_reference.unpack_bucket and elias_fano_low_bits, written from the format's
+description). That its buckets are bit-identical to the per-tensor kernels is
+tests/ops/test_adacomp_bucket.py's, with the other positions."""
 
 import os
 
@@ -19,34 +20,6 @@ from tf_adacomp.ops import adacomp_core
 import tiers
 
 EF = "elias_fano"
-
-
-@pytest.mark.parametrize("bucket,max_density,scale", [
-    (bucket_checks.CONV_LIKE, 0.25, "tensor"),  # the fast tier's (layouts it compiles anyway)
-    pytest.param(bucket_checks.MLP_LIKE, 0.25, "tensor", marks=pytest.mark.slow),
-    pytest.param(bucket_checks.MLP_LIKE, 1.0, "bin", marks=pytest.mark.slow),
-    pytest.param(bucket_checks.CONV_LIKE, 0.01, "bin", marks=pytest.mark.slow),
-    pytest.param(bucket_checks.EVERY_ELEMENT, 1.0, "tensor", marks=pytest.mark.slow)])
-def test_a_bucket_is_bit_identical_to_per_tensor_kernels(bucket, max_density, scale):
-  shapes, bin_size = bucket
-  _, _, payload = bucket_checks.check_bit_identical(
-      shapes, bin_size, max_density, scale, seed=len(shapes), positions=EF)
-  if bucket is bucket_checks.EVERY_ELEMENT:  # three chunks of the decoder's loop
-    assert int(payload[0]) > 2 * adacomp_core.DECODE_CHUNK
-
-
-@pytest.mark.slow
-@hypothesis.settings(max_examples=8, deadline=None)
-@hypothesis.given(
-    sizes=st.lists(st.sampled_from([1, 3, 31, 33, 64, 501, 700]), min_size=1, max_size=4),
-    bin_size=st.sampled_from([1, 7, 32, 50, 500]),
-    max_density=st.sampled_from([1.0, 0.25, 0.02]),
-    scale=st.sampled_from(["tensor", "bin"]),
-    seed=st.integers(0, 2**31 - 1))
-def test_any_bucket_is_bit_identical_to_per_tensor_kernels(sizes, bin_size, max_density,
-                                                             scale, seed):
-  bucket_checks.check_bit_identical(
-      [(n,) for n in sizes], bin_size, max_density, scale, seed, positions=EF)
 
 
 def _compressed(shapes, residue_scale, positions, seed=0, bin_size=50, nonzero=None):
