@@ -43,6 +43,36 @@ def test_pack_matches_numpy_and_unpacks(bits, count):
   np.testing.assert_array_equal(back.numpy(), codes)
 
 
+@pytest.mark.parametrize("count", [1, 33, 100])
+def test_a_width_read_when_the_program_runs_packs_and_unpacks_as_numpy(count):
+  # One compiled program for every width (bitpack.pack_at, scatter_words, unpack_at):
+  # a payload's own width (docs/wire_format.md#positions-elias-fano).
+  rng = np.random.default_rng(count)
+  nwords = bitpack.packed_words(count, 32) + 2
+
+  def pack(codes, bits, live):
+    return bitpack.scatter_words(*bitpack.pack_at(codes, bits, live, nwords), nwords)
+
+  def unpack(words, first, bits):
+    return bitpack.unpack_at(words, first, count, bits)
+
+  pack_xla, unpack_xla = tf.function(pack, jit_compile=True), tf.function(unpack, jit_compile=True)
+  for bits in PACK_BITS:
+    codes = rng.integers(0, 2**bits, size=count, dtype=np.uint64)
+    live = np.arange(count) < count - 1  # the last code is not written
+    words = pack_xla(tf.constant(codes.astype(np.int64)), tf.constant(bits, tf.int64),
+                     tf.constant(live)).numpy()
+    want = np.zeros(nwords, np.uint32)
+    packed = _numpy_pack(codes[:-1], bits)
+    want[:packed.size] = packed
+    np.testing.assert_array_equal(words, want, err_msg=f"bits={bits}")
+    # Read from the second code on: the unwritten last code and the one past the end
+    # read as zeros.
+    got = unpack_xla(tf.constant(words), tf.constant(1), tf.constant(bits)).numpy()
+    np.testing.assert_array_equal(got, np.append(codes[1:-1], [0, 0])[:count].astype(np.uint32),
+                                  err_msg=f"bits={bits}")
+
+
 def test_pack_of_nothing_is_empty():
   assert bitpack.pack(tf.zeros([0], tf.uint32), 7).shape == [0]
   assert bitpack.unpack(tf.zeros([0], tf.uint32), 0, 7).shape == [0]

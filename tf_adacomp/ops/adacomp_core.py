@@ -489,7 +489,7 @@ def _elias_fano_body(words, signs, slots: int, count, low_bits, lay: Layout):
       place, tf.bitwise.left_shift(tf.constant(1, tf.int64), low_bits) - 1)
   codes = tf.bitwise.bitwise_or(tf.bitwise.left_shift(low, 1), tf.cast(negative, tf.int64))
   bits = low_bits + 1
-  code_ids, code_values = bitpack.pack_at(codes, bits, tf.constant(0, tf.int64), live, nwords)
+  code_ids, code_values = bitpack.pack_at(codes, bits, live, nwords)
   # The j-th one of the unary stream is at bit (its bucket) + j.
   one = 32 * ((tf.cast(count, tf.int64) * bits + 31) // 32) + (
       tf.bitwise.right_shift(place, low_bits) + ordinal)

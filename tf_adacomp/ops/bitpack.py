@@ -2,13 +2,17 @@
 
 A stream of ``count`` codes of ``bits`` bits each is laid out little-endian: code ``j``
 occupies stream bits ``[j * bits, (j + 1) * bits)``, and stream bit ``p`` is bit
-``p % 32`` of word ``p // 32``. Every shape and shift is static, so both directions
-compile to a handful of fused element-wise XLA loops with no scatter: each output
-word is assembled from the few codes that overlap it (packing) and each code is read
-from the two words that may hold it (unpacking).
+``p % 32`` of word ``p // 32``. In ``pack`` and ``unpack`` every shape and shift is
+static, so both directions compile to a handful of fused element-wise XLA loops with no
+scatter: each output word is assembled from the few codes that overlap it (packing) and
+each code is read from the two words that may hold it (unpacking). ``pack_at`` with
+``scatter_words``, and ``unpack_at``, take a width known only when the program runs (a
+payload's own, docs/wire_format.md#positions-elias-fano): a scatter of each code's two
+pieces, and gathers.
 """
 
 import math
+from typing import Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -94,25 +98,23 @@ def unpack(words: tf.Tensor, count: int, bits: int) -> tf.Tensor:
   return tf.cast(codes, tf.uint32)
 
 
-def pack_at(codes: tf.Tensor, bits, first_bit, live, nwords: int) -> tf.Tensor:
-  """Bit positions and words of codes whose width is known only when the program runs.
+def pack_at(codes: tf.Tensor, bits, live, nwords: int) -> Tuple[tf.Tensor, tf.Tensor]:
+  """The pieces of codes of a width ``bits`` that is a tensor, for ``scatter_words``.
 
-  Code ``j`` of ``codes`` occupies stream bits ``[first_bit + j * bits, ... + bits)``,
-  laid out as ``pack`` lays them; only the codes where ``live`` is true are written.
-  Returns the pieces for ``scatter_words``: each code touches at most two words.
+  Code ``j`` occupies stream bits ``[j * bits, (j + 1) * bits)``, as ``pack`` lays them
+  out; it touches at most two words. Only the codes where ``live`` is true are written.
 
   Args:
     codes: 1-D ``int64`` codes, each below ``2**bits``.
     bits: int64 scalar tensor in [1, 32].
-    first_bit: int64 scalar tensor, the stream bit of code 0.
     live: 1-D bool, which codes to write.
     nwords: Python int, the words of the stream (a dead code goes to word ``nwords``,
       the sink).
 
   Returns:
-    ``(word ids, int64 values)`` to be summed into ``nwords + 1`` words.
+    ``(word ids, int64 values)``: each piece's word and its bits there.
   """
-  start = first_bit + tf.range(tf.shape(codes, out_type=tf.int64)[0]) * bits
+  start = tf.range(tf.shape(codes, out_type=tf.int64)[0]) * bits
   word = tf.where(live, tf.bitwise.right_shift(start, 5), nwords)
   shifted = tf.bitwise.left_shift(tf.where(live, codes, 0), tf.bitwise.bitwise_and(start, 31))
   low = tf.bitwise.bitwise_and(shifted, 0xFFFFFFFF)
