@@ -24,14 +24,23 @@ def test_a_row_times_the_bucket_kernels_that_the_exchange_uses(tmp_path):
       capture_output=True, text=True, env=ENV, timeout=600, check=False)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   (row,) = json.loads((tmp_path / "k.json").read_text())["rows"]
-  # The default's positions in bins: an offset in a bin of 50 and a sign per code.
-  n, bits, bins = 4096, (50 - 1).bit_length() + 1, math.ceil(4096 / 50)
+  n = 4096
   assert (row["elements"], row["bin_size"], row["max_density"]) == (n, 50, 0.25)
   assert 0 < row["selected"] <= math.ceil(0.25 * n)
-  # A bucket of one tensor: 4 * (4 + T + S + ceil(count * bits / 32) + ceil((bins +
-  # count) / 32)) with T = S = 1 (a per-tensor payload would have a 3-word header).
-  assert row["payload_bytes"] == 4 * (4 + 1 + 1 + math.ceil(row["selected"] * bits / 32)
-                                      + math.ceil((bins + row["selected"]) / 32))
+  # The default's Elias-Fano positions (docs/wire_format.md#positions-elias-fano), in a
+  # bucket of one tensor: 4 * (4 + T + S + the body's words) with T = S = 1 (a
+  # per-tensor payload would have a 3-word header); the body's low bits take the fewest
+  # words among those whose unary counts fit bins + capacity bits.
+  assert row["positions"] == "elias_fano"
+  count = row["selected"]
+
+  def words(low):
+    return math.ceil(count * (low + 1) / 32) + math.ceil((math.ceil(n / 2**low) + count) / 32)
+
+  longest = math.ceil(n / 50) + math.ceil(0.25 * n)
+  low_bits = min((low for low in range((n - 1).bit_length() + 1)
+                  if math.ceil(n / 2**low) + count <= longest), key=lambda low: (words(low), low))
+  assert row["payload_bytes"] == 4 * (4 + 1 + 1 + words(low_bits))
   assert row["compression_ratio"] == 4 * n / row["payload_bytes"]
   assert all(row[key] > 0 for key in ("fused_pass_s", "compress_s", "decode_s",
                                       "decode_4_replicas_s"))
