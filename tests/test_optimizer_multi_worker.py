@@ -76,7 +76,11 @@ def test_adacomp_over_grpc_keeps_workers_identical_and_compresses(runs):
     losses = log["history"]["loss"]
     assert losses[-1] < losses[0]
     assert log["stats"]["dense"]["ratio"] > 20  # the dense kernels, bytes over gRPC
-  assert logs[0]["stats"] == logs[1]["stats"]
+  # Every worker sent as many bytes (the gather pads each to the longest); how a bucket's
+  # bytes split among its tensors follows each worker's own counts.
+  assert logs[0]["stats"]["total"] == logs[1]["stats"]["total"]
+  assert ({k: v["dense_bytes"] for k, v in logs[0]["stats"].items()}
+          == {k: v["dense_bytes"] for k, v in logs[1]["stats"].items()})
 
 
 @pytest.mark.slow
