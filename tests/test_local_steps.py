@@ -16,6 +16,7 @@ from replica_harness import (DEVICES, FEATURES, OUTPUTS, PER_REPLICA, assert_rep
                              data, fit_on_shards, linear_model, np_topk, own_mean_gradients,
                              replica_values, replica_weights, shards)
 from tf_adacomp import local_steps as local_steps_lib
+from tf_adacomp.ops import variant
 
 LR, MOMENTUM, DENSITY = 0.05, 0.9, 0.2
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
@@ -314,24 +315,38 @@ def test_set_weights_mid_round_puts_all_of_the_jump_into_the_weights_and_none_in
         assert not np.any(copy)
 
 
-def test_fingerprints_are_the_odd_weighted_sum_of_the_bits_and_see_one_element_change():
+def _fingerprint_reference(value):  # the words of the value's bits, in memory order
+  if value.dtype.kind == "f":
+    words = value.view(np.int16 if value.itemsize == 2 else np.int32).astype(np.int64)
+  else:  # an integer, cast to int32 (its low 32 bits, as a signed word)
+    words = value.astype(np.int64) % 2**32
+    words = np.where(words >= 2**31, words - 2**32, words)
+  words = words.ravel()
+  total = int(np.sum(words * (2 * np.arange(words.size, dtype=np.int64) + 1))) % 2**32
+  return total - 2**32 if total >= 2**31 else total  # as a signed int32
+
+
+@pytest.mark.parametrize("form", variant.FORMS)
+def test_fingerprints_are_the_odd_weighted_sum_of_the_bits_and_see_one_element_change(form):
   rng = np.random.default_rng(5)
   values = [rng.standard_normal([3, 4]).astype(np.float32),
             rng.standard_normal([5]).astype(np.float64),
-            rng.standard_normal([6]).astype(np.float16)]
-
-  def reference(value):  # the words of the value's bits, in memory order
-    words = value.view(np.int16 if value.itemsize == 2 else np.int32).astype(np.int64).ravel()
-    total = int(np.sum(words * (2 * np.arange(words.size, dtype=np.int64) + 1))) % 2**32
-    return total - 2**32 if total >= 2**31 else total  # as a signed int32
-
-  prints = local_steps_lib.fingerprints([tf.constant(v) for v in values]).numpy()
-  assert prints.dtype == np.int64
-  assert list(prints) == [reference(v) for v in values]
-  for value, before in zip(values, prints):
-    nudged = value.copy()
-    nudged.flat[-1] = np.nextafter(nudged.flat[-1], np.inf)  # its last bit
-    assert local_steps_lib.fingerprints([tf.constant(nudged)]).numpy()[0] != before
+            rng.standard_normal([6]).astype(np.float16),
+            # The CPU form's rows of 4,096 words: exactly two, and two with a tail.
+            (1e3 * rng.standard_normal([2, 4096])).astype(np.float32),
+            (1e3 * rng.standard_normal([3, 2731])).astype(np.float32),
+            rng.standard_normal([]).astype(np.float32),
+            np.zeros([0, 3], np.float32),
+            rng.integers(-2**40, 2**40, [7], dtype=np.int64)]
+  with variant.forced(form):
+    prints = local_steps_lib.fingerprints([tf.constant(v) for v in values]).numpy()
+    assert prints.dtype == np.int64
+    assert list(prints) == [_fingerprint_reference(v) for v in values]
+    for value, before in zip(values[:6], prints):
+      nudged = value.copy()
+      nudged.flat[-1] = np.nextafter(nudged.flat[-1], np.inf)  # its last bit
+      assert local_steps_lib.fingerprints([tf.constant(nudged)]).numpy()[0] != before
+    assert local_steps_lib.fingerprints([]).shape == (0,)
 
 
 def _two_layers():

@@ -41,7 +41,7 @@ the round (one more float in the round's scalar all-reduce), the replicas share 
 re-anchored which variable when (a small all-reduce) and every replica takes, for such a
 variable, the anchor of the replica that re-anchored it latest (one dense all-reduce, in
 such rounds only), and measures its pseudo-update from it. The cost is a pass over the
-weights (one fused XLA program, about a read of them) after each step of a round but its
+weights (about a read of them: ``fingerprints``) after each step of a round but its
 last, and one before each but its first. A change the fingerprint misses (the bit
 differences of several changed elements, weighted by distinct odd factors, summing to
 zero modulo 2^32) is treated as before the fix: as part of the pseudo-update.
@@ -64,6 +64,7 @@ import tensorflow as tf
 from tf_adacomp import replica_steps
 from tf_adacomp.ops import checks
 from tf_adacomp.ops import compiled
+from tf_adacomp.ops import variant
 
 AVERAGE = "average"
 # What ``outer_optimizer=None`` means.
@@ -153,18 +154,53 @@ def without_non_finite(value):
   return tf.where(tf.math.is_finite(value), value, tf.zeros_like(value))
 
 
-def _fingerprint(value):
+def _words(value):
+  """``value``'s bits as a flat int32 vector: a float64 becomes two int32 words, a 16-bit
+  float one int16 (widened), an integer its int32 cast."""
   if value.dtype.is_floating:
-    # A float64 becomes two int32 words, a 16-bit float one int16.
     value = tf.bitcast(value, tf.int16 if value.dtype.size == 2 else tf.int32)
-  bits = tf.reshape(tf.cast(value, tf.int32), [-1])
+  return tf.reshape(tf.cast(value, tf.int32), [-1])
+
+
+def _fingerprint(value):
+  words = _words(value)
   # Odd factors, distinct below 2^31 elements (int32 arithmetic wraps modulo 2^32).
-  odd = 2 * tf.range(tf.size(bits)) + 1
-  return tf.reduce_sum(bits * odd)
+  odd = 2 * tf.range(tf.size(words)) + 1
+  return tf.reduce_sum(words * odd)
 
 
 def _fingerprints(tensors):
   return tf.cast(tf.stack([_fingerprint(t) for t in tensors]), tf.int64)
+
+
+# The CPU form's row length: a matrix product streams over rows this long (measured
+# against 64 to 16,384 on the 5.8M-weight MLP's tensors: 4,096 and longer the same).
+_ROW = 4096
+
+
+def _fingerprint_by_rows(value):
+  """``_fingerprint(value)``, the same int32, as TensorFlow's (not XLA's) int32 kernels.
+
+  XLA:CPU reduces int32 one element at a time, not in vector lanes
+  (``benchmarks/fingerprints.py`` times the two). Element (r, c) of the words as rows of
+  ``_ROW`` has the factor 2 (r _ROW + c) + 1, so a matrix product by the two columns
+  (2c, 1) gives each row's two sums, which the row factors combine.
+  """
+  words = _words(value)
+  size = words.shape.num_elements()
+  if size is None:  # not known when traced: elementwise
+    return _fingerprint(value)
+  width = min(_ROW, size)
+  rows = size // width if width else 0
+  head = rows * width
+  total = tf.constant(0, tf.int32)
+  if rows:
+    columns = tf.stack([2 * tf.range(width), tf.ones([width], tf.int32)], axis=1)
+    sums = tf.matmul(tf.reshape(words[:head], [rows, width]), columns)
+    total += tf.reduce_sum(sums[:, 0] + (2 * width * tf.range(rows) + 1) * sums[:, 1])
+  if head < size:
+    total += tf.reduce_sum(words[head:] * (2 * tf.range(head, size) + 1))
+  return total
 
 
 def fingerprints(tensors):
@@ -174,11 +210,18 @@ def fingerprints(tensors):
 
   Equal tensors have equal fingerprints; a change of one element always changes its
   tensor's (an odd factor is invertible modulo 2^32), and a change of several escapes
-  only where their weighted bit differences cancel. One XLA program for all the tensors,
-  a single pass over each (about the cost of reading it; int32 arithmetic, which XLA
-  keeps on the device); nothing of the tensors is kept.
+  only where their weighted bit differences cancel. A single pass over each tensor
+  (about the cost of reading it; int32 arithmetic, kept on the device), in the form of
+  the tensors' device (``ops.variant``): on a GPU one XLA program for all the tensors, on
+  a CPU TensorFlow's int32 matrix product (``_fingerprint_by_rows``; XLA:CPU's int32
+  reduction is over twice as slow: docs/performance.md); nothing of the tensors is kept.
   """
-  return compiled.kernel(_fingerprints)([tf.convert_to_tensor(t) for t in tensors])
+  tensors = [tf.convert_to_tensor(t) for t in tensors]
+  if not tensors:
+    return tf.zeros([0], tf.int64)
+  if variant.gpu_form(tensors[0]):
+    return compiled.kernel(_fingerprints)(tensors)
+  return tf.cast(tf.stack([_fingerprint_by_rows(t) for t in tensors]), tf.int64)
 
 
 class RoundState:

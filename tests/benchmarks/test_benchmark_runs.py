@@ -97,6 +97,19 @@ def test_paired_step_times_a_rounds_inside_and_end_apart(tmp_path):
 
 
 @pytest.mark.slow
+def test_fingerprints_times_both_forms_which_agree(tmp_path):
+  out = _ok(_run("fingerprints.py", "--model=cnn", "--repeats=3",
+                 f"--json={tmp_path / 'f.json'}"))
+  assert "GPU form (XLA) / CPU form" in out
+  result = json.loads((tmp_path / "f.json").read_text())
+  assert result["elements"] == 421_642  # the CNN's weights
+  assert {name: len(t) for name, t in result["seconds"].items()} == {"read": 3, "cpu": 3,
+                                                                    "gpu": 3}
+  assert result["xla_over_cpu_form"] == pytest.approx(
+      result["median_seconds"]["gpu"] / result["median_seconds"]["cpu"])
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(not netns.available(), reason="needs root and iproute2 (ip netns, tc)")
 def test_network_runs_workers_across_limited_namespaces_and_cleans_up(tmp_path):
   result, pid = benchmark_scripts.run_script(
@@ -146,6 +159,8 @@ def test_network_runs_workers_across_limited_namespaces_and_cleans_up(tmp_path):
     ("paired_step.py", ["--blocks=0"], "blocks=0"),
     ("paired_step.py", ["--local_steps=3"], "local_steps=3"),
     ("paired_step.py", ["--model=resnet"], "'resnet'"),
+    ("fingerprints.py", ["--repeats=0"], "repeats=0"),
+    ("fingerprints.py", ["--model=vgg"], "'vgg'"),
     ("network.py", ["--compressors=topk,adacomp"], "compressors='topk,adacomp'"),
     ("network.py", ["--rates=fast"], "rate='fast'"),
     ("network.py", ["--workers=1"], "workers=1"),
