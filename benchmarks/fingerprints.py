@@ -14,11 +14,12 @@ first untimed one, and each form's median over the read's.
 """
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import time
+
+import report  # benchmarks/, beside this
 
 MODELS = {
     # benchmarks/network.py's wide MLP and the Fashion-MNIST CNN of
@@ -86,10 +87,7 @@ def main(argv=None):
          "xla_over_cpu_form": medians["gpu"] / medians["cpu"], "seconds": times,
          "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                      "tensorflow": tf.__version__}}
-  os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-  with open(args.json, "w") as f:
-    json.dump(out, f, indent=1)
-  print(f"wrote {args.json}")
+  report.write_json(args.json, out)
 
 
 if __name__ == "__main__":
