@@ -181,7 +181,7 @@ _ROW = 4096
 def _fingerprint_by_rows(value):
   """``_fingerprint(value)``, the same int32, as TensorFlow's (not XLA's) int32 kernels.
 
-  XLA:CPU reduces int32 one element at a time, not in vector lanes
+  XLA:CPU's int32 reductions are several times slower than TensorFlow's own kernels
   (``benchmarks/fingerprints.py`` times the two). Element (r, c) of the words as rows of
   ``_ROW`` has the factor 2 (r _ROW + c) + 1, so a matrix product by the two columns
   (2c, 1) gives each row's two sums, which the row factors combine.
