@@ -21,19 +21,13 @@ import time
 
 import report  # benchmarks/, beside this
 
-MODELS = {
-    # benchmarks/network.py's wide MLP and the Fashion-MNIST CNN of
-    # examples/fashion_mnist.py: their trainable tensors' shapes.
-    "mlp": [(784, 2048), (2048,), (2048, 2048), (2048,), (2048, 10), (10,)],
-    "cnn": [(3, 3, 1, 32), (32,), (3, 3, 32, 64), (64,), (3136, 128), (128,), (128, 10),
-            (10,)],
-}
+MODELS = ("cnn", "mlp")  # as paired_step.py builds them
 
 
 def parse_args(argv):
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--model", default="mlp", choices=sorted(MODELS))
+  parser.add_argument("--model", default="mlp", choices=MODELS)
   parser.add_argument("--threads", type=int, default=1,
                       help="TensorFlow's intra-op threads (network.py's workers: 1)")
   parser.add_argument("--repeats", type=int, default=41)
@@ -53,10 +47,14 @@ def main(argv=None):
   tf.config.threading.set_intra_op_parallelism_threads(args.threads)
   tf.config.threading.set_inter_op_parallelism_threads(args.threads)
   from tf_adacomp import local_steps  # pylint: disable=import-outside-toplevel
+  from tf_adacomp.examples import fashion_mnist  # pylint: disable=import-outside-toplevel
   from tf_adacomp.ops import variant  # pylint: disable=import-outside-toplevel
+  import network_worker  # pylint: disable=import-outside-toplevel  (benchmarks/, beside this)
 
-  weights = [tf.Variable(tf.random.stateless_normal(s, seed=[i, 0]))
-             for i, s in enumerate(MODELS[args.model])]
+  # network.py's wide MLP or the Fashion-MNIST CNN: their trainable weights as built.
+  model = (fashion_mnist.build_model(None, None) if args.model == "cnn"
+           else network_worker.build_mlp(2048))
+  weights = model.trainable_variables
   calls = {"read": tf.function(lambda: tf.stack([tf.reduce_sum(w) for w in weights]))}
   for form in variant.FORMS:
     with variant.forced(form):  # a tf.function keeps the form it was traced in
