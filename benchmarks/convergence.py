@@ -177,6 +177,12 @@ for _h in (2, 4, 8, 16, 32, 64):
         "adacomp", _compressor_options, {"exchange": "updates", "local_steps": _h,
                                          "outer_optimizer": "average",
                                          "second_moment": "global"})
+  # The signs of every S-th element, rotating (compressor "sign", stride=S): one bit an
+  # element sent and no positions, for Adam's pseudo-updates of about one size.
+  for _s in (2, 3, 4, 5, 6, 8):
+    VARIANTS[f"sign-S{_s}+updates+H{_h}+global"] = (
+        "sign", {"stride": _s}, {"exchange": "updates", "local_steps": _h,
+                                 "outer_optimizer": "average", "second_moment": "global"})
 # "adacomp-tpos..." and "adacomp-bpos...": AdaComp's positions in tensors
 # (positions="tensor", the format before positions in bins) or in bins (positions="bin",
 # the default before Elias-Fano codes): the same values in more bytes, for the ratio

@@ -2,8 +2,8 @@
 
 Public API (a flat list, as in Keras and optax):
 
-- compressors: ``AdaComp``, ``TopK``, ``FFTCompressor``, ``FP16``, ``BF16``,
-  ``NoCompression``, the ``Compressor`` base class, ``TensorPlan``, ``get_compressor``,
+- compressors: ``AdaComp``, ``TopK``, ``RotatingSign``, ``FFTCompressor``, ``FP16``,
+  ``BF16``, ``NoCompression``, the ``Compressor`` base class, ``TensorPlan``, ``get_compressor``,
   ``serialize_compressor``;
 - distribution: ``CompressedAllReduce`` (cross-device ops for ``MirroredStrategy``),
   ``CompressedOptimizer`` (a Keras optimizer wrapper, any strategy); both sum the
@@ -49,6 +49,7 @@ from tf_adacomp.compressors import Compressor
 from tf_adacomp.compressors import FFTCompressor
 from tf_adacomp.compressors import FP16
 from tf_adacomp.compressors import NoCompression
+from tf_adacomp.compressors import RotatingSign
 from tf_adacomp.compressors import TensorPlan
 from tf_adacomp.compressors import TopK
 from tf_adacomp.compressors import available as available_compressors
@@ -70,6 +71,7 @@ __all__ = [
     "FFTCompressor",
     "FP16",
     "NoCompression",
+    "RotatingSign",
     "TensorPlan",
     "TopK",
     "UnsynchronizedWorkersWarning",

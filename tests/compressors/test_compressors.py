@@ -19,7 +19,7 @@ def _combine(compressor, plan, payloads):
 # "topk" in the fast tier (AdaComp's error feedback over steps is tests/ops/test_adacomp.py's
 # test_error_feedback_over_steps there, through this contract
 # tests/compressors/test_adacomp_scale.py's test_error_feedback_loses_nothing_and_scales_are_counted).
-@pytest.mark.parametrize("name", [tiers.slow("adacomp"), "topk"])
+@pytest.mark.parametrize("name", [tiers.slow("adacomp"), "topk", "sign"])
 def test_error_feedback_loses_nothing_over_steps(name):
   """sum of what was sent + final residue == sum of all gradients (to rounding)."""
   compressor = tf_adacomp.get_compressor(name)
@@ -32,15 +32,16 @@ def test_error_feedback_loses_nothing_over_steps(name):
     grad = rng.standard_normal([40, 30]).astype(np.float32)
     total += grad
     payload, (state,) = compressor.compress([grad], [state], [plan])
-    sent += compressor.decompress(payload, [plan])[0].numpy()
+    step = compressor.decompress(payload, [plan])[0].numpy()
+    assert np.count_nonzero(step) < step.size  # it did compress
+    sent += step
   np.testing.assert_allclose(sent + state[0].numpy(), total, atol=1e-4)
-  assert np.count_nonzero(sent) < sent.size  # it did compress
 
 
 # AdaComp with --full: its gathered payloads decode to the replicas' sum in replica order
 # in tests/ops/test_adacomp.py's test_gathered_decode_three_replicas (the fast tier; TopK
 # here takes the same gathered path of the contract).
-@pytest.mark.parametrize("name", [tiers.slow("adacomp"), "topk", "none", "fp16", "bf16"])
+@pytest.mark.parametrize("name", [tiers.slow("adacomp"), "topk", "sign", "none", "fp16", "bf16"])
 def test_combined_payload_is_the_sum_over_replicas(name):
   compressor = tf_adacomp.get_compressor(name)
   plan = compressor.plan([3, 3, 4, 8], tf.float32, "conv/kernel")

@@ -87,7 +87,7 @@ def test_a_subclass_of_the_contract_runs_the_exchange():
   assert [int(n) for n in exchanged.nbytes] == [4 + 48, 4 + 20]
 
 
-@pytest.mark.parametrize("name", ["adacomp", "topk", "fft", "none", "fp16"])
+@pytest.mark.parametrize("name", ["adacomp", "topk", "sign", "fft", "none", "fp16"])
 def test_a_tensor_is_a_bucket_of_one(name):
   compressor = tf_adacomp.get_compressor(name)
   plan = compressor.plan([40, 30], tf.float32, "dense/kernel")

@@ -12,7 +12,7 @@ import tf_adacomp
 from tf_adacomp.compressors import base
 from tf_adacomp.compressors import registry
 
-ALL = ["adacomp", "bf16", "fft", "fp16", "none", "topk"]
+ALL = ["adacomp", "bf16", "fft", "fp16", "none", "sign", "topk"]
 
 
 def test_registry_lists_every_compressor():
@@ -30,6 +30,7 @@ NON_DEFAULT = {
                 mantissa_bits=2, min_size=100),
     "fp16": dict(min_size=100),
     "none": dict(min_size=100),
+    "sign": dict(stride=3, block=64, min_size=100),
     "topk": dict(density=0.05, min_size=100),
 }
 

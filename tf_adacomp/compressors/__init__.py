@@ -12,4 +12,5 @@ from tf_adacomp.compressors.registry import available
 from tf_adacomp.compressors.registry import get_compressor
 from tf_adacomp.compressors.registry import register
 from tf_adacomp.compressors.registry import serialize
+from tf_adacomp.compressors.sign import RotatingSign
 from tf_adacomp.compressors.topk import TopK
