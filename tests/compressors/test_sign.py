@@ -113,3 +113,17 @@ def test_through_the_optimizer_on_two_replicas_the_share_rotates_and_is_checkpoi
   assert [int(c.numpy()) for c in kernel_state[1].value.values] == calls
   for before, after in zip(residues, [r.numpy() for r in kernel_state[0].value.values]):
     np.testing.assert_array_equal(before, after)
+
+
+@pytest.mark.parametrize("dtype", [tf.float64, tf.bfloat16])
+def test_other_float_dtypes_lose_nothing_to_their_residue(dtype):
+  compressor = tf_adacomp.get_compressor("sign", stride=2, block=8)
+  plan = compressor.plan([5, 7], dtype, "dense/kernel")
+  grad = tf.cast(tf.random.stateless_normal(plan.shape, [3, 4]), dtype)
+  payload, ((residue, _),) = compressor.compress([grad], [compressor.init(plan)], [plan])
+  (total,) = compressor.decompress(payload[None], [plan])
+  assert total.dtype == dtype and residue.dtype == (tf.float64 if dtype == tf.float64
+                                                     else tf.float32)
+  np.testing.assert_allclose(tf.cast(total, tf.float64) + tf.cast(residue, tf.float64),
+                             tf.cast(grad, tf.float64), atol=1e-2 if dtype == tf.bfloat16
+                             else 1e-12)

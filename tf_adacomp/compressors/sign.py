@@ -75,13 +75,16 @@ class RotatingSign(base.Compressor):
     chosen = tf.gather(table, column, axis=1)  # [rows]
     # Rows past the tensor's end in this column (its last row may be short).
     valid = tf.cast(tf.range(rows) * self.stride + column < n, chosen.dtype)
-    scales = _block_means(tf.abs(chosen) * valid, valid, self.block, blocks)
+    # float32 on the wire: the residue keeps what the decoded float32 scales leave.
+    scales = tf.cast(_block_means(tf.abs(chosen) * valid, valid, self.block, blocks),
+                     tf.float32)
     positive = chosen >= 0
-    sent = tf.where(positive, 1.0, -1.0) * tf.repeat(scales, self.block)[:rows] * valid
+    sent = (tf.where(positive, valid, -valid)
+            * tf.cast(tf.repeat(scales, self.block)[:rows], chosen.dtype))
     own = tf.reshape(tf.reshape(sent, [rows, 1]) * tf.one_hot(column, self.stride,
                                                              dtype=sent.dtype), [-1])[:n]
     payload = tf.concat([tf.reshape(column, [1]), _pack(positive, words),
-                         tf.bitcast(tf.cast(scales, tf.float32), tf.int32)], 0)
+                         tf.bitcast(scales, tf.int32)], 0)
     return payload, [(tf.reshape(total - own, plan.shape), calls + 1)]
 
   def _decompress(self, payload, plans):
