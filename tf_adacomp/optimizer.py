@@ -68,7 +68,7 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
     compressor: a ``Compressor``, a registered name ("adacomp", "topk", "fp16", ...)
       or a serialized compressor. Default "adacomp". Named "adacomp" where an Adam or
       AdamW inside rounds of local steps divides by its estimate (the default there),
-      it is AdaComp with bins of ``local_steps.ADAM_ROUND_BIN_SIZE`` (250) on dense and
+      it is AdaComp with bins of ``local_steps.ADAM_ROUND_BIN_SIZE`` (150) on dense and
       recurrent kernels, not 500 (``steps.arguments.compressor_of_rounds``).
     start_step: int >= 0; the first ``start_step`` steps exchange dense float32
       gradients (or, with ``exchange="updates"``, each replica's own weight update, whose
