@@ -172,11 +172,23 @@ for _h in (2, 4, 8, 16, 32, 64):
   # default: 250 with Adam inside, 500 otherwise; smaller bins send more a round).
   for _name, _compressor_options in [("adacomp-bin", {"scale": "bin"})] + [
       (f"adacomp-L{_l}", {"dense_bin_size": _l, "recurrent_bin_size": _l})
-      for _l in (50, 150, 250, 500)]:
+      for _l in (50, 100, 150, 250, 500)]:
     VARIANTS[f"{_name}+updates+H{_h}+global"] = (
         "adacomp", _compressor_options, {"exchange": "updates", "local_steps": _h,
                                          "outer_optimizer": "average",
                                          "second_moment": "global"})
+  # The predictive outer step (outer_optimizer="predictive", the default with Adam
+  # inside and a compressor): the anchor also moves by mu times its last move, which the
+  # replicas take out of what they send; "+predictiveMU": Predictive(momentum=MU).
+  for _name in ((f"adacomp+updates+H{_h}", f"none+updates+H{_h}",
+                 f"adacomp+updates+H{_h}+global", f"none+updates+H{_h}+global") + tuple(
+                     f"adacomp-L{_l}+updates+H{_h}+global" for _l in (100, 150, 250))
+                if _h in (8, 32) else ()):
+    _compressor, _compressor_options, _options = VARIANTS[_name]
+    for _mu in ("", "0.3", "0.5", "0.7", "0.8", "0.9"):
+      VARIANTS[f"{_name}+predictive{_mu}"] = (
+          _compressor, _compressor_options,
+          dict(_options, outer_optimizer=f"predictive{_mu}"))
   # The signs of every S-th element, rotating (compressor "sign", stride=S): one bit an
   # element sent and no positions, for Adam's pseudo-updates of about one size.
   for _s in (2, 3, 4, 5, 6, 8):
@@ -392,6 +404,10 @@ def make_optimizer(variant, s):
   if compressor is None:
     return inner
   parameters = inspect.signature(tf_adacomp.CompressedOptimizer.__init__).parameters
+  if str(options.get("outer_optimizer")).startswith("predictive"):  # a new one per run
+    momentum = options["outer_optimizer"][len("predictive"):]
+    options = dict(options, outer_optimizer=tf_adacomp.local_steps.Predictive(
+        float(momentum)) if momentum else "predictive")
   if str(options.get("outer_optimizer")).startswith("nesterov"):  # a new one per run
     outer = tf_adacomp.local_steps.diloco()
     if options["outer_optimizer"] != "nesterov":  # "nesterov0.1": its learning rate

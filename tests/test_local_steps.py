@@ -20,6 +20,7 @@ from tf_adacomp.ops import variant
 
 LR, MOMENTUM, DENSITY = 0.05, 0.9, 0.2
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
+PREDICT = 0.6  # not the default: the test sees the argument reach the step
 
 
 class NumpySGD:
@@ -39,9 +40,15 @@ class NumpySGD:
 
 
 def reference_rounds(start, replicas, steps, local_steps, density=None, outer=None,
-                     set_at=None, set_to=None):
+                     set_at=None, set_to=None, predict=None):
   """Weights, residues and local optimizers after ``steps`` steps in rounds of
   ``local_steps``; ``outer`` a NumpySGD stepping the anchor (None: the mean).
+
+  ``predict``: the momentum of ``local_steps.Predictive``, written from its docstring:
+  each replica compresses its residue plus pseudo-update less ``predict`` times the
+  anchor's last move, and the anchor moves by ``predict`` times that move plus the mean
+  of what arrived (the move is kept in ``outer.moments``: ``outer`` is then a NumpySGD
+  of rate 1 and this momentum, or None for a new one).
 
   ``set_to(weights)`` (each replica's weights in, a value or None per variable out) is
   what every replica's weights are set to after ``set_at`` steps, as ``set_weights`` or
@@ -52,6 +59,8 @@ def reference_rounds(start, replicas, steps, local_steps, density=None, outer=No
   local = [NumpySGD(anchor, LR, MOMENTUM) for _ in range(replicas)]
   weights = [list(anchor) for _ in range(replicas)]
   residues = [[np.zeros_like(w) for w in anchor] for _ in range(replicas)]
+  if predict is not None and outer is None:
+    outer = NumpySGD(anchor, 1.0, predict)
   for step in range(steps):
     if step == set_at:
       for v, value in enumerate(set_to(weights)):
@@ -67,6 +76,8 @@ def reference_rounds(start, replicas, steps, local_steps, density=None, outer=No
     for r in range(replicas):
       for v, (w, a) in enumerate(zip(weights[r], anchor)):
         delta = w - a
+        if predict is not None:
+          delta = (delta - np.float32(predict) * outer.moments[v]).astype(np.float32)
         if density is None:
           total[v] += delta
         else:
@@ -111,16 +122,18 @@ def _fit_once(key, optimizer, replicas, steps):
 
 
 @pytest.mark.parametrize("outer", [
-    "average", pytest.param("nesterov", marks=pytest.mark.slow)])  # one outer step fast
+    "average", "predictive", pytest.param("nesterov", marks=pytest.mark.slow)])
 def test_two_rounds_match_the_numpy_reference(outer):
   replicas, steps, h = 2, 6, 3
-  make_outer = local_steps_lib.diloco if outer == "nesterov" else "average"
+  make_outer = {"nesterov": local_steps_lib.diloco,
+                "predictive": lambda: local_steps_lib.Predictive(PREDICT)}.get(outer, outer)
   start, model, strategy = _fit_once(("rounds", outer), _local_steps(h, make_outer),
                                      replicas, steps)
-  reference_outer = (NumpySGD(start, OUTER_LR, OUTER_MOMENTUM, nesterov=True)
-                     if outer == "nesterov" else None)
-  _, anchor, residues, local = reference_rounds(start, replicas, steps, h, DENSITY,
-                                                reference_outer)
+  reference_outer = {"nesterov": NumpySGD(start, OUTER_LR, OUTER_MOMENTUM, nesterov=True),
+                     "predictive": NumpySGD(start, 1.0, PREDICT)}.get(outer)
+  _, anchor, residues, local = reference_rounds(
+      start, replicas, steps, h, DENSITY, reference_outer,
+      predict=PREDICT if outer == "predictive" else None)
   optimizer = model.optimizer
   for v, copies in enumerate(replica_weights(model, strategy)):
     for copy in copies:  # every replica adopted the anchor, bit for bit
@@ -508,15 +521,63 @@ def test_defaults_every_step_and_the_average():
   assert (optimizer.local_steps, optimizer.outer_optimizer) == (1, "average")
   assert tf_adacomp.CompressedOptimizer(_sgd(), local_steps=4).outer_optimizer == "average"
   adam = tf_adacomp.CompressedOptimizer(keras.optimizers.Adam(), local_steps=4)
-  # Each replica's Adam divides by its own estimate of the global batch's second moment.
+  # Each replica's Adam divides by its own estimate of the global batch's second moment,
+  # and the anchor moves by the prediction too.
   assert adam.second_moment == "global"
+  assert isinstance(adam.outer_optimizer, local_steps_lib.Predictive)
+  assert adam.outer_optimizer.momentum == local_steps_lib.PREDICTIVE_MOMENTUM == 0.7
+  assert float(adam.outer_optimizer.learning_rate) == 1.0
+  assert not adam.outer_optimizer.nesterov
+  # Not where nothing is compressed, nor every step, nor where the user chose.
+  for kwargs in ({"compressor": "none", "local_steps": 4}, {"local_steps": 1},
+                 {"local_steps": 4, "outer_optimizer": "average"},
+                 {"local_steps": 4, "second_moment": "local"}):
+    assert tf_adacomp.CompressedOptimizer(keras.optimizers.AdamW(),
+                                          **kwargs).outer_optimizer == "average", kwargs
+  named = tf_adacomp.CompressedOptimizer(_sgd(), local_steps=4, outer_optimizer="predictive")
+  assert isinstance(named.outer_optimizer, local_steps_lib.Predictive)
+
+
+def test_predictive_config_round_trips_and_keeps_its_momentum():
+  adam = tf_adacomp.CompressedOptimizer(keras.optimizers.Adam(), local_steps=8)
+  again = tf_adacomp.CompressedOptimizer.from_config(adam.get_config())
+  assert isinstance(again.outer_optimizer, local_steps_lib.Predictive)
+  assert again.outer_optimizer.momentum == 0.7
+  own = tf_adacomp.CompressedOptimizer(
+      _sgd(), local_steps=4, outer_optimizer=local_steps_lib.Predictive(momentum=0.3))
+  again = keras.optimizers.deserialize(keras.optimizers.serialize(own))
+  assert isinstance(again.outer_optimizer, local_steps_lib.Predictive)
+  assert again.outer_optimizer.momentum == 0.3
+  assert again.outer_optimizer is not own.outer_optimizer
+
+
+@pytest.mark.parametrize("momentum", [0, 0.0, 1, 1.0, 1.5, -0.5, "0.5", True, None])
+def test_predictive_refuses_a_momentum_outside_zero_to_one(momentum):
+  with pytest.raises(ValueError, match=f"momentum={momentum!r}"):
+    local_steps_lib.Predictive(momentum=momentum)
+
+
+@pytest.mark.slow  # the prediction's path; test_two_rounds_match_the_numpy_reference runs it fast
+def test_predictive_without_compression_is_the_average():
+  """Without compression the prediction taken out is added back: the mean, each round
+  (to float32 rounding: (d - p) + p is not always d)."""
+  replicas, steps, h = 2, 9, 3
+  runs = []
+  for outer in ("average", lambda: local_steps_lib.Predictive(0.9)):
+    _, model, strategy = _fit(_local_steps(h, outer, tf_adacomp.get_compressor("none")),
+                              replicas, steps)
+    runs.append(replica_weights(model, strategy))
+    if outer != "average":
+      assert any(np.any(m) for m in model.optimizer.outer_optimizer.momentums)
+  for average, predictive in zip(*runs):
+    np.testing.assert_allclose(predictive, average, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"local_steps": 0}, r"local_steps=0"),
     ({"local_steps": 2.5}, r"local_steps=2.5"),
     ({"local_steps": "4"}, r"local_steps='4'"),
-    ({"outer_optimizer": "nesterov"}, r"outer_optimizer='nesterov'"),
+    ({"outer_optimizer": "nesterov"}, r"'predictive'.*outer_optimizer='nesterov'"),
     ({"outer_optimizer": 0.7}, r"outer_optimizer=0.7"),
     ({"outer_optimizer": keras.optimizers.SGD(0.7, clipnorm=1.0)},
      r"outer_optimizer.clipnorm=1.0"),

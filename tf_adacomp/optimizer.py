@@ -129,10 +129,15 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
       pseudo-update (compressed, with error feedback). With more than 1, an Adam or AdamW
       keeps each replica's own moments (and by default divides by its own estimate of
       the global batch's second moment: ``second_moment``).
-    outer_optimizer: None (default: ``local_steps.DEFAULT_OUTER``, "average"),
-      "average" (the anchor moves by the mean pseudo-update) or a Keras optimizer that
-      steps the anchor on minus the mean pseudo-update (DiLoCo's:
-      ``tf_adacomp.local_steps.diloco()``); its state is checkpointed with the wrapper's.
+    outer_optimizer: None (default), "average" (the anchor moves by the mean
+      pseudo-update), "predictive" (``tf_adacomp.local_steps.Predictive()``: the anchor
+      also moves by 0.7 times its last move, which every replica takes out of what it
+      sends; error feedback corrects it) or a Keras optimizer that steps the anchor on
+      minus the mean pseudo-update (DiLoCo's: ``tf_adacomp.local_steps.diloco()``); its
+      state is checkpointed with the wrapper's. None: "predictive" where an Adam or
+      AdamW inside rounds of local steps divides by its estimate of the global second
+      moment (the default ``second_moment``) and the compressor compresses, else
+      "average" (``local_steps.default_outer``; docs/convergence.md).
     hierarchical: None (default), True or False: whether the devices of one worker sum
       their gradients (or updates) densely first and send one compressed payload per
       worker over the network (``tf_adacomp.hierarchy``; docs/distributed.md). None:

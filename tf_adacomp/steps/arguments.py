@@ -86,7 +86,8 @@ def resolve(wrapper_init, inner_optimizer, compressor, start_step, reduction, ad
   masking_lib.check(momentum_masking, exchange, inner_optimizer, compressor)
   local_steps = local_steps_lib.check_local_steps(local_steps)
   outer_optimizer = local_steps_lib.resolve_outer_optimizer(outer_optimizer)
-  check_rounds(local_steps, outer_optimizer, exchange, reduction, momentum_masking)
+  check_rounds(local_steps, local_steps_lib.AVERAGE if outer_optimizer is None
+               else outer_optimizer, exchange, reduction, momentum_masking)
   if local_steps > 1 and getattr(inner_optimizer, "use_ema", False):
     # Within a round each replica's weights are its own: there is no one average of
     # them to keep, as Keras' EMA would.
@@ -98,6 +99,9 @@ def resolve(wrapper_init, inner_optimizer, compressor, start_step, reduction, ad
   dense_when_faster = check_dense_when_faster(dense_when_faster, reduction, start_step,
                                               momentum_masking, compressor)
   compressor = compressor_of_rounds(named, compressor, local_steps, second_moment)
+  if outer_optimizer is None:
+    outer_optimizer = local_steps_lib.default_outer(
+        local_steps, second_moment, not isinstance(compressor, cast.NoCompression))
   return Settings(
       compressor=compressor, start_step=start_step, reduction=reduction, exchange=exchange,
       momentum_masking=momentum_masking, local_clipnorm=local_clipnorm,

@@ -15,7 +15,8 @@ step.
 
 ``finish`` is a round's end, shared with local steps (``steps.local_rounds``): the
 pseudo-updates exchanged, DGC's momentum masking (``steps.momentum_masking``), and the
-anchor moved by their mean or by an outer optimizer (DiLoCo's).
+anchor moved by their mean or by an outer optimizer (DiLoCo's; ``local_steps.Predictive``,
+whose prediction the replicas first take out of what they send).
 """
 
 import tensorflow as tf
@@ -79,6 +80,12 @@ class UpdateExchange:
     """
     guard = self.guard
     masks = [None] * len(variables) if masks is None else list(masks)
+    if isinstance(self.outer_optimizer, local_steps_lib.Predictive):
+      # What every replica predicts is not sent; the outer step adds it back. Idle
+      # variables take the mean and no outer step: nothing is predicted for them.
+      deltas = [d if d is None or masks[k] is not None
+                else d - self.outer_optimizer.prediction(indices[k], d.dtype)
+                for k, d in enumerate(deltas)]
     # The mean of the replicas' updates (or their Adasum).
     combined, exchanged = guard.exchange(plans, deltas, states, dense, mean=True)
     finite = guard.settle(indices, states, exchanged.states, combined, exchanged.nbytes,
