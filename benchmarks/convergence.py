@@ -34,9 +34,11 @@ compression. Local steps: ``adacomp+updates+H8`` (``local_steps=8``; H from 2 to
 ``+nesterov`` (DiLoCo's outer step; ``+nesterov0.1`` at an outer learning rate of 0.1),
 and for Adam inside ``+global`` (each replica's
 estimate of the global batch's second moment, the default) or ``+local`` (its own);
-``adacomp-bin+updates+H8+global`` and ``adacomp-L50+updates+H8+global`` (bins of 50 on
-dense and recurrent kernels; also L150, L250 and L500: with Adam inside, the library's
-default is 250, 500 before). ``adacomp-tpos``, ``adacomp-tpos+updates``, ``...+H8``, ``...+global``:
+these take the outer average; ``+predictive`` (H of 8 and 32) the predictive outer step
+(the library's default with Adam inside and a compressor; ``+predictive0.3`` to
+``+predictive0.9``: its momentum); ``adacomp-bin+updates+H8+global`` and
+``adacomp-L50+updates+H8+global`` (bins of 50 on dense and recurrent kernels; also L100,
+L150, L250 and L500: with Adam inside, the library's default is 150). ``adacomp-tpos``, ``adacomp-tpos+updates``, ``...+H8``, ``...+global``:
 AdaComp with positions in tensors (``positions="tensor"``, the format before positions in
 bins: the same values, more bytes); ``adacomp-bpos...`` the same with positions in bins
 (``positions="bin"``, the default before Elias-Fano codes). Each of them compresses every exchange (``dense_when_faster=False``);

@@ -80,3 +80,20 @@ def test_a_nesterov_variant_takes_diloco_at_its_outer_learning_rate(variant, lea
   outer = convergence.make_optimizer(variant, settings).outer_optimizer
   assert float(outer.learning_rate) == pytest.approx(learning_rate)
   assert outer.nesterov and float(outer.momentum) == pytest.approx(0.9)
+
+
+@pytest.mark.parametrize("variant,momentum", [
+    ("adacomp+updates+H8+global+predictive", 0.7),
+    ("adacomp-L150+updates+H8+global+predictive0.3", 0.3),
+    ("adacomp+updates+H8+global", None),  # the average, as the rows before it were run
+])
+def test_a_predictive_variant_takes_its_momentum(variant, momentum):
+  import convergence  # pylint: disable=import-outside-toplevel  (benchmarks/, on sys.path)
+  from tf_adacomp import local_steps  # pylint: disable=import-outside-toplevel
+
+  settings = dict(convergence.MODELS["transformer"])
+  outer = convergence.make_optimizer(variant, settings).outer_optimizer
+  if momentum is None:
+    assert outer == "average"
+  else:
+    assert isinstance(outer, local_steps.Predictive) and outer.momentum == momentum
