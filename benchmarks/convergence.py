@@ -38,10 +38,12 @@ these take the outer average; ``+predictive`` (H of 8 and 32) the predictive out
 (the library's default with Adam inside and a compressor; ``+predictive0.3`` to
 ``+predictive0.9``: its momentum); ``adacomp-bin+updates+H8+global`` and
 ``adacomp-L50+updates+H8+global`` (bins of 50 on dense and recurrent kernels; also L100,
-L150, L250 and L500: with Adam inside, the library's default is 150). ``adacomp-tpos``, ``adacomp-tpos+updates``, ``...+H8``, ``...+global``:
-AdaComp with positions in tensors (``positions="tensor"``, the format before positions in
-bins: the same values, more bytes); ``adacomp-bpos...`` the same with positions in bins
-(``positions="bin"``, the default before Elias-Fano codes). Each of them compresses every exchange (``dense_when_faster=False``);
+L150, L250 and L500: with Adam inside, the library's default is 150). ``adacomp-tpos``,
+``adacomp-tpos+updates``, ``...+H8``, ``...+global``: AdaComp with positions in tensors
+(``positions="tensor"``, the format before positions in bins: the same values, more
+bytes); ``adacomp-bpos...`` the same with positions in bins (``positions="bin"``, the
+default before Elias-Fano codes). Each of them compresses every exchange
+(``dense_when_faster=False``);
 ``adacomp+auto``, ``adacomp+updates+auto``, ``adacomp+updates+global+auto`` and
 ``adacomp+updates+H8+auto`` are the library's default choice instead, measured on this
 host (with one host's fast exchange, it often chooses dense). A variant whose
@@ -171,7 +173,7 @@ for _h in (2, 4, 8, 16, 32, 64):
           _compressor, {}, {"exchange": "updates", "local_steps": _h,
                             "outer_optimizer": "average", "second_moment": _moment})
   # AdaComp's per-bin scales, or bins of L on dense and recurrent kernels (the
-  # default: 250 with Adam inside, 500 otherwise; smaller bins send more a round).
+  # default: 150 with Adam inside, 500 otherwise; smaller bins send more a round).
   for _name, _compressor_options in [("adacomp-bin", {"scale": "bin"})] + [
       (f"adacomp-L{_l}", {"dense_bin_size": _l, "recurrent_bin_size": _l})
       for _l in (50, 100, 150, 250, 500)]:
