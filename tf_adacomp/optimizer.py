@@ -35,6 +35,7 @@ from tf_adacomp import wrapper_stats
 from tf_adacomp.compat import internals
 from tf_adacomp.compat import keras_multi_worker
 from tf_adacomp.compat import loss_scale
+from tf_adacomp.compressors import cast
 from tf_adacomp.compressors import registry
 from tf_adacomp.steps import arguments
 from tf_adacomp.steps import choice as choice_lib
@@ -309,8 +310,15 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
     if self.exchange == "gradients":
       step = gradients_step.GradientExchange(guard, inner)
     elif self.local_steps > 1:
-      step = local_rounds.LocalRounds(guard, inner, self.local_steps, self.anchors,
-                                      self._trainable_variables, self.outer_optimizer)
+      # Uncompressed, the mean pseudo-update is what the replicas stepped: their Adam
+      # first moments are reconciled from it (steps.estimated_adam). One replica has
+      # nothing to reconcile, and keeps Keras' own.
+      step = local_rounds.LocalRounds(
+          guard, inner, self.local_steps, self.anchors, self._trainable_variables,
+          self.outer_optimizer,
+          infer_first_moments=(self.estimates_own_moment
+                               and isinstance(self.compressor, cast.NoCompression)
+                               and self._distribution_strategy.num_replicas_in_sync > 1))
     else:
       step = updates_step.UpdateExchange(guard, inner, self.momentum_masking,
                                          self.outer_optimizer)

@@ -28,7 +28,8 @@ test_oracle_cross_device_ops.py (``tf_adacomp.CompressedAllReduce``):
   mean pseudo-update; H=1 is the update exchange; an Adam inside with
   ``second_moment="global"``, the default, is Keras' with each replica's estimate of the
   global batch's second moment in its ``update_step``: ``EstimatedGlobalAdam``, at
-  every step as inside local steps), and Adam with the second moment averaged at steps
+  every step as inside local steps, with each replica's first moment inferred from the
+  mean pseudo-update at a round's end, not in a round cut by ``set_weights``), and Adam with the second moment averaged at steps
   1, 2, 4, ... ("shared", or "global" with ``precondition="after"`` or
   ``second_moment_interval="doubling"``; NumPy, float64, the algorithm of
   ``tf_adacomp.shared_moment``'s docstring).
@@ -834,12 +835,15 @@ def EstimatedGlobalAdam(inner, replicas):  # pylint: disable=invalid-name
   class Estimated(type(inner)):
     """Keras' Adam with the estimate in its ``update_step``."""
 
+    sparse = None
+
     def build(self, var_list):
       if self.built:
         return
       super().build(var_list)
       self.momentum_squares = [self.add_variable_from_reference(v, "momentum_square")
                                for v in var_list]
+      self.sparse = {}  # variable index -> whether its last gradient was IndexedSlices
 
     def update_step(self, gradient, variable, learning_rate):
       k = self._get_variable_index(variable)
@@ -849,16 +853,33 @@ def EstimatedGlobalAdam(inner, replicas):  # pylint: disable=invalid-name
       alpha = (tf.cast(learning_rate, variable.dtype) * tf.sqrt(1 - tf.pow(b2, t))
                / (1 - tf.pow(b1, t)))
       sparse = isinstance(gradient, tf.IndexedSlices)
+      self.sparse[k] = sparse
       square = (tf.math.unsorted_segment_sum(tf.square(gradient.values), gradient.indices,
                                              gradient.dense_shape[0])
                 if sparse else tf.square(gradient))
       m.assign_add((tf.convert_to_tensor(gradient) - m) * (1 - b1))
       v.assign_add((square - v) * (1 - b2))
       w.assign_add((tf.square(m / (1 - tf.pow(b1, t))) - w) * (1 - b2))
+      variable.assign_sub(alpha * m / (tf.sqrt(self.estimate(k)) + self.epsilon))
+
+    def estimate(self, k):
+      m, v, w = self._momentums[k], self._velocities[k], self.momentum_squares[k]
+      b1 = tf.cast(self.beta_1, v.dtype)
       c = (1 - b1) / (1 + b1)
       estimate = ((w - c * v) + (v - w) / replicas) / (1 - c)
-      estimate = v / replicas if sparse else tf.minimum(tf.maximum(estimate, v / replicas), v)
-      variable.assign_sub(alpha * m / (tf.sqrt(estimate) + self.epsilon))
+      return (v / replicas if self.sparse.get(k) else
+              tf.minimum(tf.maximum(estimate, v / replicas), v))
+
+    def infer_first_moment(self, variable, mean_update, steps, learning_rate):
+      """At an uncompressed round's end: ``m`` as the one that over ``steps`` steps would
+      have moved ``variable`` by the replicas' ``mean_update`` (unless alpha is 0)."""
+      k = self._get_variable_index(variable)
+      t = float(self.iterations.numpy())
+      alpha = (learning_rate * math.sqrt(1 - float(self.beta_2) ** t)
+               / (1 - float(self.beta_1) ** t))
+      if alpha > 0:
+        self._momentums[k].assign(-mean_update * (tf.sqrt(self.estimate(k)) + self.epsilon)
+                                  / np.float32(alpha * steps))
 
   return Estimated.from_config(inner.get_config())
 
@@ -994,6 +1015,7 @@ class Replay:
                    if self.mode == "shared" else None)
     self.ema = None
     self.local_iterations = 0
+    self.re_anchored = False  # a round cut by set_weights
 
   def _replace_optimizers(self, states):
     """New optimizers (one per replica, or one for the gradient exchange), built on the
@@ -1064,8 +1086,21 @@ class Replay:
     if self.local_iterations % c.local_steps:
       return
     everyone = self.weights()
-    new = [a + np.mean([w[k] - a for w in everyone], axis=0).astype(np.float32)
-           for k, a in enumerate(self.anchor)]
+    means = [np.mean([w[k] - a for w in everyone], axis=0).astype(np.float32)
+             for k, a in enumerate(self.anchor)]
+    new = [a + mean for a, mean in zip(self.anchor, means)]
+    if (c.local_steps > 1 and estimates_own_moment(c) and replicas > 1
+        and not self.re_anchored):
+      # Uncompressed rounds reconcile the replicas' first moments from the mean
+      # pseudo-update (tf_adacomp.steps.estimated_adam), not in a round cut by set_weights
+      # nor on one replica.
+      lr = learning_rate_at(c, int(self.optimizers[0].iterations.numpy()))
+      for optimizer, model in zip(self.optimizers, self.models):
+        positions = {id(v): k for k, v in enumerate(ordered(model))}
+        for variable in model.trainable_variables:
+          optimizer.infer_first_moment(variable, means[positions[id(variable)]],
+                                       c.local_steps, lr)
+    self.re_anchored = False
     self._set_all(new)
     self.anchor = new
     if c.ema:  # Keras' average of the exchanged weights (tf_adacomp.ema)
@@ -1122,6 +1157,7 @@ def replay(c: Config, start: List[np.ndarray]) -> Run:
     values = jumped_weights([w.shape for w in r.weights()[0]])
     r._set_all(values)  # pylint: disable=protected-access
     r.anchor = [v.copy() for v in values]
+    r.re_anchored = True
   elif event == "freeze":
     for model in r.models:
       model.layers[0].trainable = False

@@ -20,7 +20,7 @@ class LocalRounds(updates.UpdateExchange):
   """The step of the update exchange with rounds of ``local_steps`` steps.
 
   Args:
-    guard, inner, outer_optimizer: as ``UpdateExchange``.
+    guard, inner, outer_optimizer, infer_first_moments: as ``UpdateExchange``.
     local_steps: int > 1, the steps of a round.
     anchors: per variable the optimizer was built with, its anchor (the weights every
       replica held when the round began; equal on all).
@@ -28,8 +28,9 @@ class LocalRounds(updates.UpdateExchange):
   """
 
   def __init__(self, guard, inner, local_steps, anchors, variables,
-               outer_optimizer="average"):
-    super().__init__(guard, inner, masking=False, outer_optimizer=outer_optimizer)
+               outer_optimizer="average", infer_first_moments=False):
+    super().__init__(guard, inner, masking=False, outer_optimizer=outer_optimizer,
+                     infer_first_moments=infer_first_moments)
     self.local_steps = local_steps
     self.anchors = anchors
     self.variables = variables
@@ -188,8 +189,10 @@ class LocalRounds(updates.UpdateExchange):
     # conditional, not a select: a finite round makes no pass over its deltas here.
     deltas = tf.cond(stepped, lambda: list(deltas),
                      lambda: [tf.zeros_like(d) for d in deltas])
+    # A round re-anchored by `set_weights` took fewer steps from its anchor than H: the
+    # first moments are not inferred from it (each replica keeps its own).
     finite = self.finish(variables, indices, plans, states, anchors, deltas, dense,
-                         stepped, masks)
+                         stepped, masks, whole_round=tf.logical_not(re_anchored))
     updates.without_non_finite_slots(guard, self.inner.optimizer, finite)
     return tf.constant(True)
 

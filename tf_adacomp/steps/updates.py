@@ -16,7 +16,9 @@ step.
 ``finish`` is a round's end, shared with local steps (``steps.local_rounds``): the
 pseudo-updates exchanged, DGC's momentum masking (``steps.momentum_masking``), and the
 anchor moved by their mean or by an outer optimizer (DiLoCo's; ``local_steps.Predictive``,
-whose prediction the replicas first take out of what they send).
+whose prediction the replicas first take out of what they send), and where the inner
+Adam's first moments are inferred from the mean (``infer_first_moments``), each
+replica's set to the one that would have moved the weights that far.
 """
 
 import tensorflow as tf
@@ -35,15 +37,21 @@ class UpdateExchange:
     masking: whether DGC's momentum factor masking is on.
     outer_optimizer: "average" or a built Keras optimizer stepping the anchor on the
       pseudo-gradient (its own all-reduce switched off).
+    infer_first_moments: whether a round's end sets each replica's Adam first moments
+      from the replicas' mean pseudo-update (``inner.infer_first_moments``, an
+      ``EstimatedGlobalAdam``'s); for uncompressed rounds of local steps only, where the
+      mean is what the replicas stepped.
   """
 
   local_steps = 1
 
-  def __init__(self, guard, inner, masking=False, outer_optimizer="average"):
+  def __init__(self, guard, inner, masking=False, outer_optimizer="average",
+               infer_first_moments=False):
     self.guard = guard
     self.inner = inner
     self.masking = masking
     self.outer_optimizer = outer_optimizer
+    self.infer_first_moments = infer_first_moments
 
   def __call__(self, grads, variables, indices, dense):
     """One step on this replica's ``grads`` for ``variables`` (at ``indices``)."""
@@ -66,26 +74,30 @@ class UpdateExchange:
                  for g, v, a in zip(grads, variables, anchors)], dense, stepped)
 
   def finish(self, variables, indices, plans, states, anchors, deltas, dense, stepped,
-             masks=None):
+             masks=None, whole_round=True):
     """A round's end: the replicas' updates ``deltas`` (weights minus ``anchors``)
     compressed, exchanged and combined; the outer optimizer (or the mean) moves the
     anchor and every replica adopts it. ``stepped``: whether every replica took its
     step. ``masks``: None, or per variable None (trained by this step) or whether that
     idle variable joins the round (its delta is zero where not): one that joins gets
     the mean without the outer optimizer's step; one that does not keeps its weights
-    and residues.
+    and residues. ``whole_round``: whether every replica's deltas span the round's
+    steps from one anchor (a bool tensor; not where one re-anchored): the first moments
+    are inferred only then.
 
     Returns:
       The bool tensor ``finite``: whether the round's combined update was applied.
     """
     guard = self.guard
     masks = [None] * len(variables) if masks is None else list(masks)
+    predicted = [None] * len(variables)
     if isinstance(self.outer_optimizer, local_steps_lib.Predictive):
       # What every replica predicts is not sent; the outer step adds it back. Idle
       # variables take the mean and no outer step: nothing is predicted for them.
-      deltas = [d if d is None or masks[k] is not None
-                else d - self.outer_optimizer.prediction(indices[k], d.dtype)
-                for k, d in enumerate(deltas)]
+      predicted = [None if d is None or masks[k] is not None
+                   else self.outer_optimizer.prediction(indices[k], d.dtype)
+                   for k, d in enumerate(deltas)]
+      deltas = [d if p is None else d - p for d, p in zip(deltas, predicted)]
     # The mean of the replicas' updates (or their Adasum).
     combined, exchanged = guard.exchange(plans, deltas, states, dense, mean=True)
     finite = guard.settle(indices, states, exchanged.states, combined, exchanged.nbytes,
@@ -96,6 +108,15 @@ class UpdateExchange:
       momentum_masking.mask(guard, self.inner.optimizer, variables, states, deltas,
                             exchanged.states, sent_step)
     present = [k for k, c in enumerate(combined) if c is not None]
+    if self.infer_first_moments:
+      # From the replicas' mean pseudo-update (the prediction added back), before the
+      # outer step moves the anchor; idle variables' moments were not stepped.
+      trained = [k for k in present if masks[k] is None]
+      self.inner.infer_first_moments(
+          [variables[k] for k in trained],
+          [combined[k] if predicted[k] is None else combined[k] + predicted[k]
+           for k in trained],
+          self.local_steps, tf.logical_and(finite, whole_round))
     # Idle variables take the mean whatever the outer optimizer: they are not trained.
     stepped_outer = ([] if isinstance(self.outer_optimizer, str)  # "average"
                      else [k for k in present if masks[k] is None])
