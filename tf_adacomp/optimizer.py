@@ -129,7 +129,10 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
       its own data from the round's anchor, and only the round's last step exchanges its
       pseudo-update (compressed, with error feedback). With more than 1, an Adam or AdamW
       keeps each replica's own moments (and by default divides by its own estimate of
-      the global batch's second moment: ``second_moment``).
+      the global batch's second moment: ``second_moment``); with that default and
+      ``compressor="none"`` on several replicas, a round's end sets each replica's first
+      moment to the one inferred from the mean pseudo-update, sending nothing more
+      (``steps.estimated_adam``).
     outer_optimizer: None (default), "average" (the anchor moves by the mean
       pseudo-update), "predictive" (``tf_adacomp.local_steps.Predictive()``: the anchor
       also moves by 0.7 times its last move, which every replica takes out of what it
