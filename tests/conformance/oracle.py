@@ -29,8 +29,9 @@ test_oracle_cross_device_ops.py (``tf_adacomp.CompressedAllReduce``):
   ``second_moment="global"``, the default, is Keras' with each replica's estimate of the
   global batch's second moment in its ``update_step``: ``EstimatedGlobalAdam``, at
   every step as inside local steps, with each replica's first moment inferred from the
-  mean pseudo-update at a round's end, not in a round cut by ``set_weights``), and Adam with the second moment averaged at steps
-  1, 2, 4, ... ("shared", or "global" with ``precondition="after"`` or
+  mean pseudo-update at a round's end, not in a round cut by ``set_weights``), and Adam
+  with the second moment averaged at steps 1, 2, 4, ... ("shared", or "global" with
+  ``precondition="after"`` or
   ``second_moment_interval="doubling"``; NumPy, float64, the algorithm of
   ``tf_adacomp.shared_moment``'s docstring).
 - ``reference_kind`` picks the reference of a configuration and ``tolerance`` how close
@@ -863,7 +864,7 @@ def EstimatedGlobalAdam(inner, replicas):  # pylint: disable=invalid-name
       variable.assign_sub(alpha * m / (tf.sqrt(self.estimate(k)) + self.epsilon))
 
     def estimate(self, k):
-      m, v, w = self._momentums[k], self._velocities[k], self.momentum_squares[k]
+      v, w = self._velocities[k], self.momentum_squares[k]
       b1 = tf.cast(self.beta_1, v.dtype)
       c = (1 - b1) / (1 + b1)
       estimate = ((w - c * v) + (v - w) / replicas) / (1 - c)

@@ -97,6 +97,22 @@ def test_each_replica_divides_by_its_own_estimate_of_the_global_moment():
   assert optimizer.moment_bytes() == [0] * len(start)
 
 
+def test_compressed_rounds_keep_each_replicas_own_first_moment():
+  # With AdaComp the mean that arrives is not what the replicas stepped: nothing is
+  # inferred from it. After one round the first moments depend on each replica's own
+  # two steps alone (nothing arrived before them).
+  replicas, steps = 3, 2
+  start, model, strategy = fit(_estimated("adacomp"), replicas, steps)
+  _, own, _, _ = replay(start, replicas, steps, local_steps=2, infer_first_moments=False)
+  _, inferred, _, _ = replay(start, replicas, steps, local_steps=2)
+  momentums, _ = shared_moment.moment_slots(model.optimizer.inner_optimizer)
+  for k in range(len(start)):
+    for r in range(replicas):
+      held = replica_values(momentums[k], strategy)[r]
+      np.testing.assert_allclose(held, own[r][k], rtol=1e-5, atol=1e-7)
+      assert not np.allclose(held, inferred[r][k], rtol=1e-3, atol=1e-5)
+
+
 def test_every_step_with_interval_zero_applies_the_mean_of_the_estimated_steps():
   # second_moment_interval=0: every step each replica divides by its own estimate and the
   # replicas' steps are averaged, a round of one step; nothing else is averaged.

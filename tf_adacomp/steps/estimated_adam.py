@@ -129,6 +129,7 @@ class EstimatedGlobalAdam(inner_lib.KerasInner):
     alpha = shared_moment.step_size(optimizer.learning_rate, t, t, optimizer.beta_1,
                                     optimizer.beta_2)
     apply = tf.logical_and(apply, alpha > 0)
+    scale = tf.where(apply, alpha * steps, 1.0)  # never divides by 0
     targets, values = [], []
     for variable, mean_update in zip(variables, mean_updates):
       j = optimizer._get_variable_index(variable)  # pylint: disable=protected-access
@@ -137,9 +138,8 @@ class EstimatedGlobalAdam(inner_lib.KerasInner):
           tf.convert_to_tensor(velocities[j]),
           tf.convert_to_tensor(self.momentum_squares[self.index[id(variable)]]),
           self._sparse.get(id(variable), False))
-      scale = tf.cast(alpha * steps, mean_update.dtype)
-      inferred = -mean_update * shared_moment.divisor(estimate, optimizer.epsilon) / tf.where(
-          apply, scale, tf.ones_like(scale))
+      inferred = (-mean_update * shared_moment.divisor(estimate, optimizer.epsilon)
+                  / tf.cast(scale, mean_update.dtype))
       targets.append(m_slot)
       values.append(tf.where(apply, inferred, tf.convert_to_tensor(m_slot)))
     for target, value in zip(targets, values):
