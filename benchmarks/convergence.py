@@ -185,7 +185,8 @@ for _h in (2, 4, 8, 16, 32, 64):
   # inside and a compressor): the anchor also moves by mu times its last move, which the
   # replicas take out of what they send; "+predictiveMU": Predictive(momentum=MU).
   for _name in ((f"adacomp+updates+H{_h}", f"none+updates+H{_h}",
-                 f"adacomp+updates+H{_h}+global", f"none+updates+H{_h}+global") + tuple(
+                 f"adacomp+updates+H{_h}+global", f"none+updates+H{_h}+global",
+                 f"bf16+updates+H{_h}+global") + tuple(
                      f"adacomp-L{_l}+updates+H{_h}+global" for _l in (100, 150, 250))
                 if _h in (8, 32) else ()):
     _compressor, _compressor_options, _options = VARIANTS[_name]

@@ -8,12 +8,14 @@ import json
 import numpy as np
 import pytest
 
+from adam_reference import np_global_moment
 from multi_worker import WORKERS_DIR
 from multi_worker import describe
 from multi_worker import run_workers
 
 RUNS = ("plain", "none", "adacomp", "adacomp:adasum:delta", "adam+plain",
-        "adam+adacomp+global+doubling", "local+adacomp+nesterov", "local+none+average")
+        "adam+adacomp+global+doubling", "local+adacomp+nesterov", "local+none+average",
+        "local+adam+none", "local+adam+bf16")
 
 
 @pytest.fixture(scope="module")
@@ -150,3 +152,29 @@ def test_with_local_steps_the_logs_are_averaged_at_round_ends_and_held_between(r
   assert [losses[4], losses[9]] == pytest.approx(logs[0]["history"]["loss"], rel=1e-6)
   plain = [step["loss"] for step in runs["plain"][1][0]["history"]["batch_logs"]]
   assert all(a != b for a, b in zip(plain, plain[1:])), plain
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["local+adam+none", "local+adam+bf16"])
+def test_local_adam_over_grpc_infers_one_first_moment_at_a_rounds_end(runs, run):
+  # Adam inside rounds of 5 steps, sent whole (uncompressed or in bfloat16): at the last
+  # round's end (step 10) each worker's first moment is inferred from the mean
+  # pseudo-update, -mean * divisor / (alpha H), with its own divisor (its estimate of
+  # the global second moment): m / divisor is the same on both workers, where each
+  # worker's own first moment, from its own batches, would not be.
+  arrays, logs = runs[run]
+  for key in _final_weights(arrays):
+    np.testing.assert_array_equal(arrays[0][key], arrays[1][key])
+  moments = sorted(k for k in arrays[0] if k.startswith("m_"))
+  assert len(moments) == len(_final_weights(arrays)), sorted(arrays[0])
+  for key in moments:
+    i = key[len("m_"):]
+    per_worker = []
+    for held in arrays:
+      estimate = np_global_moment(held[f"v_{i}"], held[f"w_{i}"], 2, beta_1=0.9)
+      per_worker.append(held[key] / (np.sqrt(estimate) + 1e-7))  # Keras' epsilon
+    assert not np.array_equal(arrays[0][key], arrays[1][key])  # each its own estimate
+    np.testing.assert_allclose(per_worker[0], per_worker[1], rtol=1e-4,
+                               atol=1e-4 * np.abs(per_worker[0]).max())
+  for log in logs:
+    assert log["history"]["loss"][-1] < log["history"]["loss"][0]

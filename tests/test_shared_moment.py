@@ -23,6 +23,7 @@ import tf_adacomp
 import tiers
 from tf_adacomp import optimizer as optimizer_module
 from tf_adacomp import shared_moment
+from adam_reference import np_global_moment
 from replica_harness import (DEVICES, FEATURES, OUTPUTS, PER_REPLICA, assert_replicas_hold,
                              data, fit, linear_model, np_topk, own_mean_gradients,
                              replica_values, shards)
@@ -171,13 +172,6 @@ class NumpySharedAdam:
       return weights
     return [w - w * np.float32(self.wd * self.lr) if k in self.decayed else w
             for k, w in enumerate(weights)]
-
-
-def np_global_moment(v, w, replicas, beta_1):
-  """G^2 + S / R from v = G^2 + S and w = G^2 + c S, clipped to [v / R, v]."""
-  c = (1 - beta_1) / (1 + beta_1)
-  signal, noise = (w - c * v) / (1 - c), (v - w) / (1 - c)
-  return np.clip(signal + noise / replicas, v / replicas, v)
 
 
 def reference(start, replicas, steps, density=None, precondition="before", **kwargs):

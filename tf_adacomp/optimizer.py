@@ -130,7 +130,8 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
       pseudo-update (compressed, with error feedback). With more than 1, an Adam or AdamW
       keeps each replica's own moments (and by default divides by its own estimate of
       the global batch's second moment: ``second_moment``); with that default and
-      ``compressor="none"`` on several replicas, a round's end sets each replica's first
+      ``compressor="none"``, "bf16" or "fp16" (compressors that send every element) on
+      several replicas, a round's end sets each replica's first
       moment to the one inferred from the mean pseudo-update, sending nothing more
       (``steps.estimated_adam``).
     outer_optimizer: None (default), "average" (the anchor moves by the mean
@@ -313,14 +314,14 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
     if self.exchange == "gradients":
       step = gradients_step.GradientExchange(guard, inner)
     elif self.local_steps > 1:
-      # Uncompressed, the mean pseudo-update is what the replicas stepped: their Adam
-      # first moments are reconciled from it (steps.estimated_adam). One replica has
-      # nothing to reconcile, and keeps Keras' own.
+      # Uncompressed or cast to half precision, the mean pseudo-update is what the
+      # replicas stepped: their Adam first moments are reconciled from it
+      # (steps.estimated_adam). One replica has nothing to reconcile, and keeps Keras'.
       step = local_rounds.LocalRounds(
           guard, inner, self.local_steps, self.anchors, self._trainable_variables,
           self.outer_optimizer,
           infer_first_moments=(self.estimates_own_moment
-                               and isinstance(self.compressor, cast.NoCompression)
+                               and cast.sends_every_element(self.compressor)
                                and self._distribution_strategy.num_replicas_in_sync > 1))
     else:
       step = updates_step.UpdateExchange(guard, inner, self.momentum_masking,

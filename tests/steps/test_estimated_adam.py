@@ -11,18 +11,12 @@ import pytest
 
 import tf_adacomp
 from tf_adacomp import shared_moment
+from adam_reference import np_global_moment
 from replica_harness import (fit, linear_model, data, own_mean_gradients, replica_values,
                              replica_weights, shards)
 
 ADAM = dict(learning_rate=0.01, beta_1=0.9, beta_2=0.99, epsilon=1e-3)
 WEIGHT_DECAY = 0.1
-
-
-def np_global_moment(v, w, replicas, beta_1):
-  """G^2 + S / R from v = G^2 + S and w = G^2 + c S, clipped to [v / R, v]."""
-  c = (1 - beta_1) / (1 + beta_1)
-  signal, noise = (w - c * v) / (1 - c), (v - w) / (1 - c)
-  return np.clip(signal + noise / replicas, v / replicas, v)
 
 
 def replay(start, replicas, steps, local_steps, infer_first_moments=True):
@@ -111,6 +105,24 @@ def test_compressed_rounds_keep_each_replicas_own_first_moment():
       held = replica_values(momentums[k], strategy)[r]
       np.testing.assert_allclose(held, own[r][k], rtol=1e-5, atol=1e-7)
       assert not np.allclose(held, inferred[r][k], rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("compressor", ["bf16", "fp16"])
+def test_half_precision_rounds_infer_the_first_moment_from_what_arrived(compressor):
+  # A cast sends every element: the mean that arrives is what the replicas stepped, to
+  # the cast's rounding, and the first moments are inferred from it as without one.
+  replicas, steps = 3, 2
+  start, model, strategy = fit(_estimated(compressor), replicas, steps)
+  _, own, _, _ = replay(start, replicas, steps, local_steps=2, infer_first_moments=False)
+  _, inferred, _, _ = replay(start, replicas, steps, local_steps=2)
+  momentums, _ = shared_moment.moment_slots(model.optimizer.inner_optimizer)
+  for k in range(len(start)):
+    for r in range(replicas):
+      held = replica_values(momentums[k], strategy)[r]
+      # bfloat16 keeps 8 bits of each replica's pseudo-update: where the replicas'
+      # updates cancel, the mean's error is 2^-8 of theirs, not of it (atol).
+      np.testing.assert_allclose(held, inferred[r][k], rtol=1e-2, atol=1e-3)
+      assert not np.allclose(held, own[r][k], rtol=1e-2, atol=1e-3)
 
 
 def test_every_step_with_interval_zero_applies_the_mean_of_the_estimated_steps():

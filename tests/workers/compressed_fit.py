@@ -10,13 +10,16 @@ Usage: ``compressed_fit.py RUN [RUN ...]``, each RUN one of
     exchange, ``second_moment=SECOND_MOMENT`` ("local", "shared" or "global") and
     ``second_moment_interval=INTERVAL`` (e.g. "doubling"; default None);
   - ``local+COMPRESSOR+OUTER``: the SGD wrapped with ``local_steps=LOCAL_STEPS`` and
-    ``outer_optimizer`` "average" or "nesterov" (``tf_adacomp.local_steps.diloco()``).
+    ``outer_optimizer`` "average" or "nesterov" (``tf_adacomp.local_steps.diloco()``);
+  - ``local+adam+COMPRESSOR``: the Adam wrapped with ``local_steps=LOCAL_STEPS`` and the
+    rest of the defaults (each worker's estimate of the global second moment).
 
 The runs train one after the other in this process, under one strategy
 (``tf_adacomp.distribute.multi_worker_strategy()``): one cluster start-up for them all.
 Each is the model, data and steps of ``keras_fit.py``, from the same seed. Writes to
 ``$MULTI_WORKER_OUT_DIR``, per run (``:`` in RUN becomes ``-``): ``{run}/worker{i}.npz``
-(final weights and this worker's residues) and ``{run}/worker{i}.json`` (history, with
+(final weights, this worker's residues and anchors, and for an Adam inside local steps
+its first and second moments and the moving average of its first moment squared) and ``{run}/worker{i}.json`` (history, with
 the logs of every step as ``batch_logs``, evaluation, compression statistics of the last
 step, and the message of every ``tf_adacomp.UnsynchronizedWorkersWarning`` the run
 raised: none, under the strategy).
@@ -47,6 +50,9 @@ LOCAL_STEPS = 5
 def _adam_optimizer(run):
   import tf_adacomp  # pylint: disable=g-import-not-at-top
 
+  if run.startswith("local+adam+"):
+    return tf_adacomp.CompressedOptimizer(keras.optimizers.Adam(ADAM_LEARNING_RATE),
+                                          run.split("+")[2], local_steps=LOCAL_STEPS)
   _, compressor, *moment = run.split("+")
   inner = keras.optimizers.Adam(ADAM_LEARNING_RATE)
   if compressor == "plain":
@@ -63,7 +69,11 @@ def train(strategy, run, x, y):
   keras.utils.set_random_seed(0)
   with strategy.scope():
     model = keras_fit.make_model()  # compiled with the plain SGD
-    if run.startswith("local+"):
+    if run.startswith(("adam+", "local+adam+")):
+      model.compile(optimizer=_adam_optimizer(run),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                    metrics=["accuracy"])
+    elif run.startswith("local+"):
       _, compressor, outer = run.split("+")
       model.compile(
           optimizer=tf_adacomp.CompressedOptimizer(
@@ -73,10 +83,6 @@ def train(strategy, run, x, y):
                                else outer)),
           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
           metrics=["accuracy"])
-    elif run.startswith("adam+"):
-      model.compile(optimizer=_adam_optimizer(run),
-                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                    metrics=["accuracy"])
     elif run != "plain":
       compressor, reduction, adasum_mode = (run.split(":") + ["sum", "gradient"])[:3]
       model.compile(
@@ -119,6 +125,26 @@ def _record_unsynchronized_warnings():
   return caught
 
 
+def _held(variable):
+  """This worker's value of ``variable`` (its one replica's, where it is per replica)."""
+  return variable.value.values[0].numpy() if hasattr(variable.value, "values") else variable.numpy()
+
+
+def _adam_moments(optimizer):
+  """``{name_i: array}``: the inner Adam's first and second moments (``m_i``, ``v_i``) and
+  ``w_i``, of an Adam inside local steps that estimates the global second moment."""
+  from tf_adacomp import shared_moment  # pylint: disable=g-import-not-at-top
+
+  if not getattr(optimizer, "estimates_own_moment", False):
+    return {}
+  momentums, velocities = shared_moment.moment_slots(optimizer.inner_optimizer)
+  found = {}
+  for name, slots in (("m", momentums), ("v", velocities),
+                      ("w", optimizer.momentum_squares)):
+    found.update({f"{name}_{i}": _held(x) for i, x in enumerate(slots)})
+  return found
+
+
 def _heartbeat_timeout_ms():
   from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
   return context.context().coordination_service.heartbeat_timeout_in_ms
@@ -138,19 +164,18 @@ def main():
   for run in runs:
     unsynchronized.clear()
     model, history, evaluation = train(strategy, run, x, y)
-    residues = [r.value.values[0].numpy() if hasattr(r.value, "values") else r.numpy()
-                for state in getattr(model.optimizer, "residues", ()) for r in state]
-    shared = [v.value.values[0].numpy() if hasattr(v.value, "values") else v.numpy()
-              for v in getattr(model.optimizer, "shared_velocities", ())]
-    anchors = [v.value.values[0].numpy() if hasattr(v.value, "values") else v.numpy()
-               for v in getattr(model.optimizer, "anchors", ())]
+    residues = [_held(r) for state in getattr(model.optimizer, "residues", ())
+                for r in state]
+    shared = [_held(v) for v in getattr(model.optimizer, "shared_velocities", ())]
+    anchors = [_held(v) for v in getattr(model.optimizer, "anchors", ())]
     out = worker_out_dir() / run_name(run)
     out.mkdir(parents=True, exist_ok=True)
     np.savez(out / f"worker{index}.npz",
              **{f"final_{i}": w for i, w in enumerate(model.get_weights())},
              **{f"residue_{i}": r for i, r in enumerate(residues)},
              **{f"shared_velocity_{i}": v for i, v in enumerate(shared)},
-             **{f"anchor_{i}": a for i, a in enumerate(anchors)})
+             **{f"anchor_{i}": a for i, a in enumerate(anchors)},
+             **_adam_moments(model.optimizer))
     stats = (model.optimizer.compression_stats()
              if hasattr(model.optimizer, "compression_stats") else None)
     with open(out / f"worker{index}.json", "w") as f:

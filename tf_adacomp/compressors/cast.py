@@ -27,6 +27,12 @@ class _Dense(base.Compressor):
     return base.dense_nbytes(payload)
 
 
+def sends_every_element(compressor) -> bool:
+  """Whether ``compressor`` sends every element as it is or cast to half precision: the
+  mean that arrives is then what the replicas stepped, to the cast's rounding."""
+  return isinstance(compressor, _Dense)
+
+
 @registry.register("none")
 @keras.saving.register_keras_serializable(package="tf_adacomp")
 class NoCompression(_Dense):

@@ -25,7 +25,8 @@ An Embedding's ``IndexedSlices`` gradient adds its slices' squares to ``v`` as K
 Adam does; those add up across replicas, so its estimate is ``v / R``. With one replica
 the estimate is ``v``: Keras' Adam.
 
-Inside uncompressed rounds of local steps the replicas' first moments are reconciled at
+Inside rounds of local steps whose pseudo-updates are sent whole (uncompressed, or cast
+to bfloat16 or float16) the replicas' first moments are reconciled at
 each round's end at no cost in bytes (``infer_first_moments``): each replica's ``m``
 becomes the first moment that, over the round's H steps, would have moved the weights by
 the replicas' mean pseudo-update,
@@ -34,8 +35,9 @@ the replicas' mean pseudo-update,
 
 which is the same on every replica up to their estimates. Left to drift apart, the
 replicas' own first moments cost local AdamW about half a point on the small GPT; this
-recovers it (docs/convergence.md). Where the pseudo-update was compressed, the mean is
-not what the replicas stepped, and the inference costs accuracy instead: it is off there.
+recovers it (docs/convergence.md). Where the pseudo-update was compressed (AdaComp), the
+mean is not what the replicas stepped, and the inference costs accuracy instead: it is
+off there.
 """
 
 import tensorflow as tf

@@ -39,8 +39,9 @@ class UpdateExchange:
       pseudo-gradient (its own all-reduce switched off).
     infer_first_moments: whether a round's end sets each replica's Adam first moments
       from the replicas' mean pseudo-update (``inner.infer_first_moments``, an
-      ``EstimatedGlobalAdam``'s); for uncompressed rounds of local steps only, where the
-      mean is what the replicas stepped.
+      ``EstimatedGlobalAdam``'s); for rounds of local steps whose pseudo-updates are sent
+      whole (uncompressed or cast to half precision) only, where the mean is what the
+      replicas stepped.
   """
 
   local_steps = 1
