@@ -176,7 +176,7 @@ for _h in (2, 4, 8, 16, 32, 64):
   # default: 150 with Adam inside, 500 otherwise; smaller bins send more a round).
   for _name, _compressor_options in [("adacomp-bin", {"scale": "bin"})] + [
       (f"adacomp-L{_l}", {"dense_bin_size": _l, "recurrent_bin_size": _l})
-      for _l in (50, 100, 150, 250, 500)]:
+      for _l in (50, 100, 125, 150, 250, 500)]:
     VARIANTS[f"{_name}+updates+H{_h}+global"] = (
         "adacomp", _compressor_options, {"exchange": "updates", "local_steps": _h,
                                          "outer_optimizer": "average",
@@ -187,7 +187,7 @@ for _h in (2, 4, 8, 16, 32, 64):
   for _name in ((f"adacomp+updates+H{_h}", f"none+updates+H{_h}",
                  f"adacomp+updates+H{_h}+global", f"none+updates+H{_h}+global",
                  f"bf16+updates+H{_h}+global") + tuple(
-                     f"adacomp-L{_l}+updates+H{_h}+global" for _l in (100, 150, 250))
+                     f"adacomp-L{_l}+updates+H{_h}+global" for _l in (100, 125, 150, 250))
                 if _h in (8, 32) else ()):
     _compressor, _compressor_options, _options = VARIANTS[_name]
     for _mu in ("", "0.3", "0.5", "0.7", "0.8", "0.9"):
