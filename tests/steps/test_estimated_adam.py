@@ -91,38 +91,41 @@ def test_each_replica_divides_by_its_own_estimate_of_the_global_moment():
   assert optimizer.moment_bytes() == [0] * len(start)
 
 
-def test_compressed_rounds_keep_each_replicas_own_first_moment():
-  # With AdaComp the mean that arrives is not what the replicas stepped: nothing is
-  # inferred from it. After one round the first moments depend on each replica's own
-  # two steps alone (nothing arrived before them).
+def _first_moments_after_one_round(compressor):
+  """``(held, own, inferred)``, each ``[replica][variable]``: the first moments that 3
+  replicas hold after one round of 2 steps with ``compressor``, and the replay's with
+  each replica's own and with the inferred ones (nothing arrived before the round)."""
   replicas, steps = 3, 2
-  start, model, strategy = fit(_estimated("adacomp"), replicas, steps)
+  start, model, strategy = fit(_estimated(compressor), replicas, steps)
   _, own, _, _ = replay(start, replicas, steps, local_steps=2, infer_first_moments=False)
   _, inferred, _, _ = replay(start, replicas, steps, local_steps=2)
   momentums, _ = shared_moment.moment_slots(model.optimizer.inner_optimizer)
-  for k in range(len(start)):
-    for r in range(replicas):
-      held = replica_values(momentums[k], strategy)[r]
-      np.testing.assert_allclose(held, own[r][k], rtol=1e-5, atol=1e-7)
-      assert not np.allclose(held, inferred[r][k], rtol=1e-3, atol=1e-5)
+  held = [[replica_values(momentums[k], strategy)[r] for k in range(len(start))]
+          for r in range(replicas)]
+  return held, own, inferred
+
+
+def test_compressed_rounds_keep_each_replicas_own_first_moment():
+  # With AdaComp the mean that arrives is not what the replicas stepped: nothing is
+  # inferred from it.
+  held, own, inferred = _first_moments_after_one_round("adacomp")
+  for r, moments in enumerate(held):
+    for k, moment in enumerate(moments):
+      np.testing.assert_allclose(moment, own[r][k], rtol=1e-5, atol=1e-7)
+      assert not np.allclose(moment, inferred[r][k], rtol=1e-3, atol=1e-5)
 
 
 @pytest.mark.parametrize("compressor", ["bf16", "fp16"])
 def test_half_precision_rounds_infer_the_first_moment_from_what_arrived(compressor):
   # A cast sends every element: the mean that arrives is what the replicas stepped, to
   # the cast's rounding, and the first moments are inferred from it as without one.
-  replicas, steps = 3, 2
-  start, model, strategy = fit(_estimated(compressor), replicas, steps)
-  _, own, _, _ = replay(start, replicas, steps, local_steps=2, infer_first_moments=False)
-  _, inferred, _, _ = replay(start, replicas, steps, local_steps=2)
-  momentums, _ = shared_moment.moment_slots(model.optimizer.inner_optimizer)
-  for k in range(len(start)):
-    for r in range(replicas):
-      held = replica_values(momentums[k], strategy)[r]
+  held, own, inferred = _first_moments_after_one_round(compressor)
+  for r, moments in enumerate(held):
+    for k, moment in enumerate(moments):
       # bfloat16 keeps 8 bits of each replica's pseudo-update: where the replicas'
       # updates cancel, the mean's error is 2^-8 of theirs, not of it (atol).
-      np.testing.assert_allclose(held, inferred[r][k], rtol=1e-2, atol=1e-3)
-      assert not np.allclose(held, own[r][k], rtol=1e-2, atol=1e-3)
+      np.testing.assert_allclose(moment, inferred[r][k], rtol=1e-2, atol=1e-3)
+      assert not np.allclose(moment, own[r][k], rtol=1e-2, atol=1e-3)
 
 
 def test_every_step_with_interval_zero_applies_the_mean_of_the_estimated_steps():
