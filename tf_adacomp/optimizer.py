@@ -131,8 +131,8 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
       keeps each replica's own moments (and by default divides by its own estimate of
       the global batch's second moment: ``second_moment``); with that default and
       ``compressor="none"``, "bf16" or "fp16" (compressors that send every element) on
-      several replicas, a round's end sets each replica's first
-      moment to the one inferred from the mean pseudo-update, sending nothing more
+      several replicas, a round's end sets each replica's first moment to the one
+      inferred from the mean pseudo-update, sending nothing more
       (``steps.estimated_adam``).
     outer_optimizer: None (default), "average" (the anchor moves by the mean
       pseudo-update), "predictive" (``tf_adacomp.local_steps.Predictive()``: the anchor

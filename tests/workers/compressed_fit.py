@@ -19,10 +19,10 @@ The runs train one after the other in this process, under one strategy
 Each is the model, data and steps of ``keras_fit.py``, from the same seed. Writes to
 ``$MULTI_WORKER_OUT_DIR``, per run (``:`` in RUN becomes ``-``): ``{run}/worker{i}.npz``
 (final weights, this worker's residues and anchors, and for an Adam inside local steps
-its first and second moments and the moving average of its first moment squared) and ``{run}/worker{i}.json`` (history, with
-the logs of every step as ``batch_logs``, evaluation, compression statistics of the last
-step, and the message of every ``tf_adacomp.UnsynchronizedWorkersWarning`` the run
-raised: none, under the strategy).
+its first and second moments and the moving average of its first moment squared) and
+``{run}/worker{i}.json`` (history, with the logs of every step as ``batch_logs``,
+evaluation, compression statistics of the last step, and the message of every
+``tf_adacomp.UnsynchronizedWorkersWarning`` the run raised: none, under the strategy).
 """
 
 import json
@@ -127,7 +127,9 @@ def _record_unsynchronized_warnings():
 
 def _held(variable):
   """This worker's value of ``variable`` (its one replica's, where it is per replica)."""
-  return variable.value.values[0].numpy() if hasattr(variable.value, "values") else variable.numpy()
+  if hasattr(variable.value, "values"):
+    return variable.value.values[0].numpy()
+  return variable.numpy()
 
 
 def _adam_moments(optimizer):

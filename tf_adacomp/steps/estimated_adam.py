@@ -26,10 +26,10 @@ Adam does; those add up across replicas, so its estimate is ``v / R``. With one 
 the estimate is ``v``: Keras' Adam.
 
 Inside rounds of local steps whose pseudo-updates are sent whole (uncompressed, or cast
-to bfloat16 or float16) the replicas' first moments are reconciled at
-each round's end at no cost in bytes (``infer_first_moments``): each replica's ``m``
-becomes the first moment that, over the round's H steps, would have moved the weights by
-the replicas' mean pseudo-update,
+to bfloat16 or float16) the replicas' first moments are reconciled at each round's end
+at no cost in bytes (``infer_first_moments``): each replica's ``m`` becomes the first
+moment that, over the round's H steps, would have moved the weights by the replicas'
+mean pseudo-update,
 
     m <- -mean_update * (sqrt(estimate) + epsilon) / (alpha_t H)
 
