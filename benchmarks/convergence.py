@@ -153,7 +153,7 @@ VARIANTS = {
 # same without compression. An Adam inside takes the default second moment ("global")
 # unless "+local" says each replica's own.
 for _h in (2, 4, 8, 16, 32, 64):
-  for _compressor in ("adacomp", "none", "bf16"):
+  for _compressor in ("adacomp", "none", "bf16", "fp16"):
     VARIANTS[f"{_compressor}+updates+H{_h}"] = (
         _compressor, {}, {"exchange": "updates", "local_steps": _h,
                           "outer_optimizer": "average"})
@@ -186,7 +186,7 @@ for _h in (2, 4, 8, 16, 32, 64):
   # replicas take out of what they send; "+predictiveMU": Predictive(momentum=MU).
   for _name in ((f"adacomp+updates+H{_h}", f"none+updates+H{_h}",
                  f"adacomp+updates+H{_h}+global", f"none+updates+H{_h}+global",
-                 f"bf16+updates+H{_h}+global") + tuple(
+                 f"bf16+updates+H{_h}+global", f"fp16+updates+H{_h}+global") + tuple(
                      f"adacomp-L{_l}+updates+H{_h}+global" for _l in (100, 125, 150, 250))
                 if _h in (8, 32) else ()):
     _compressor, _compressor_options, _options = VARIANTS[_name]
