@@ -21,9 +21,10 @@ SGD instead. With local steps the workers evaluate (and stop) only at round ends
 averaged them at round ends only (``tf_adacomp.step_logs``). ``+perlog`` averages
 the logs across workers with one all-reduce per logged value, as the library did before
 it packed them into one (a baseline: network_worker.py). ``+auto`` gives
-CompressedOptimizer ``dense_when_faster=True``: the faster of the compressed exchange
-and the dense all-reduce, as it measures them in the run (``exchange_choice`` in the
-JSON says which it chose).
+CompressedOptimizer ``dense_when_faster=True``: the fastest of the compressed exchange
+and the dense all-reduces, float32 and bf16, as it measures them in the run
+(``exchange_choice`` in the JSON says which it chose); ``+auto32`` gives
+``dense_when_faster="float32"``, the float32 all-reduce the only dense candidate.
 
 Several devices per worker: --devices_per_worker 1,2 runs every variant with each
 worker's strategy on 1, then 2 local replicas (logical CPUs; network_worker.py). The
@@ -168,7 +169,7 @@ Variant = collections.namedtuple(
 VARIANT_SYNTAX = ("a compressor's suffixes are +gradients or +updates (the exchange), "
                   "+H<steps> (local steps, an integer >= 1), +nesterov (with +H: "
                   "DiLoCo's outer Nesterov SGD), +flat (hierarchical=False), +auto "
-                  "(dense_when_faster=True), +perlog (the logs averaged with one "
+                  "(dense_when_faster=True), +auto32 (dense_when_faster='float32'), +perlog (the logs averaged with one "
                   "all-reduce per value, the old way) and +steplog (with +H: the logs "
                   "averaged on every step, not at round ends only), each at most once")
 
@@ -255,8 +256,8 @@ def split_variant(variant):
       log_reduction = "per_value"
     elif suffix == "steplog" and log_reduction is None:
       log_reduction = "every_step"
-    elif suffix == "auto":
-      auto = True
+    elif suffix in ("auto", "auto32") and auto is None:
+      auto = True if suffix == "auto" else "float32"
     else:
       raise error
   if (hierarchical is False and compressor == DENSE and exchange in (None, "gradients")
@@ -305,7 +306,7 @@ def worker_argv(args, model, variant, out, alone=False, topk_density=None, devic
   if parsed.log_reduction:
     argv.append(f"--log_reduction={parsed.log_reduction}")
   if parsed.auto:
-    argv.append("--auto")
+    argv.append("--auto" if parsed.auto is True else f"--auto={parsed.auto}")
   if topk_density:
     argv.append(f"--topk_density={topk_density:.6g}")
   if devices > 1 and not alone:

@@ -18,8 +18,9 @@ sums the worker's replicas locally and sends one payload per worker (the hierarc
 exchange), or with --flat every replica's own (``hierarchical=False``).
 
 --auto gives CompressedOptimizer ``dense_when_faster=True``: it measures the compressed
-exchange against the dense all-reduce in the run itself and uses the faster
-(``tf_adacomp.steps.choice``); the JSON keeps what it chose (``exchange_choice``).
+exchange against the dense all-reduces (float32, bf16) in the run itself and uses the
+fastest (``tf_adacomp.steps.choice``); the JSON keeps what it chose
+(``exchange_choice``). --auto=float32 gives ``dense_when_faster="float32"``.
 
 --log_reduction=per_value averages the step's logs across workers with one all-reduce
 per logged value, as the library did before it packed them into one
@@ -67,9 +68,12 @@ def parse(argv=None):
                       "counters (`ip -n NETNS -s -j link show LINK_DEVICE`)")
   parser.add_argument("--link_device", default="eth0", help="the link's device in --netns")
   parser.add_argument("--topk_density", type=float, default=0.01)
-  parser.add_argument("--auto", action="store_true",
-                      help="CompressedOptimizer(dense_when_faster=True): the faster of the "
-                      "compressed exchange and the dense all-reduce, measured")
+  parser.add_argument("--auto", nargs="?", const="true", default=None,
+                      choices=("true", "float32"),
+                      help="CompressedOptimizer(dense_when_faster=True): the fastest of the "
+                      "compressed exchange and the dense all-reduces (float32, bf16), "
+                      "measured; --auto=float32: dense_when_faster='float32', the float32 "
+                      "all-reduce the only dense candidate")
   parser.add_argument("--log_reduction", default="packed",
                       choices=("packed", "per_value", "every_step"),
                       help="multi-worker logs: one all-reduce, with local steps at round "
@@ -231,7 +235,8 @@ def main(argv=None):
     model = (build_mlp(args.width) if args.model == "mlp"
              else example.build_model(config, data))
     options = {} if args.alone else dict(
-        [("hierarchical", False)] * args.flat + [("dense_when_faster", True)] * args.auto)
+        [("hierarchical", False)] * args.flat
+        + [("dense_when_faster", True if args.auto == "true" else args.auto)] * bool(args.auto))
     optimizer = with_options(tf_adacomp, options,
                              lambda: optimizers.make_optimizer(config, args.max_steps))
     # jit_compile=False: the floor and every cluster run are the same Keras program

@@ -114,13 +114,15 @@ class CompressionStats(keras.callbacks.Callback):
     if not choice or choice["phase"] != "chosen":
       return
     decision = (choice["exchange"], choice["compressed_step_seconds"],
-                choice["dense_step_seconds"])
+                choice["dense_step_seconds"], choice.get("bf16_step_seconds"))
     if decision != self._decision:
       self._decision = decision
+      # bf16's time where its probe ran.
+      bf16 = "" if decision[3] is None else f", {1e3 * decision[3]:.1f} ms bf16"
       log.info("dense_when_faster: the %s exchange from step %d (a step took %.1f ms "
-               "compressed, %.1f ms dense: medians over every replica).",
-               "dense" if choice["exchange"] == "dense" else "compressed",
-               self._source_iterations() or 0, 1e3 * decision[1], 1e3 * decision[2])
+               "compressed, %.1f ms dense%s: medians over every replica).",
+               choice["exchange"], self._source_iterations() or 0, 1e3 * decision[1],
+               1e3 * decision[2], bf16)
 
   def on_train_batch_end(self, batch, logs=None):
     self._log_decision()

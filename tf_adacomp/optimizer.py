@@ -158,23 +158,28 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
       the optimizer is built. A value restored from a saved config (``load_model``) that
       does not fit where it is restored is replaced, with a warning
       (``tf_adacomp.hierarchy``).
-    dense_when_faster: None (default), True or False. True: the wrapper measures, in
-      the training itself, a step with the compressed exchange against a step with the
-      dense float32 all-reduce, every replica agreeing, and exchanges with the faster
-      (``steps.choice``: probes of 10 exchanges each, the medians of their step times,
+    dense_when_faster: None (default), True, False or "float32". True: the wrapper
+      measures, in the training itself, a step with the compressed exchange against a
+      step with the dense float32 all-reduce and, where the compressor compresses, one
+      with the dense bfloat16 all-reduce (the values cast to bfloat16 for the sum, as
+      the ``"bf16"`` compressor), every replica agreeing, and exchanges with the fastest
+      (float32 wherever it is within 2% of the fastest;
+      ``steps.choice``: probes of 10 exchanges each, the medians of their step times,
       the dense probe skipped where two scouts of a sixteenth of its bytes estimate a
       dense exchange at over 4 compressed steps, or ended after 1 or 2 exchanges where
-      dense is clearly slower;
-      probed again after 200 exchanges, twice as late each time the same choice wins,
+      dense is clearly slower, and bf16's with them, or where it is clearly slower than
+      the faster of the two; probed again after 200 exchanges, twice as late each time the same choice wins,
       and late enough that a probe's slower steps cost at most 2% of the time between
       probes; at most 10,000). A dense step is Keras' (the gradients summed, one inner
       step; the replicas' optimizer states averaged at the first after compressed
       ones) and keeps the residues for later; with ``local_steps`` or a shared moment,
-      the exchange is chosen, dense or compressed. ``exchange_choice()`` says what it
-      chose and why. Needs reduction="sum", no ``start_step`` and no
-      ``momentum_masking``. None: True where it applies and ``compressor`` is not
-      "none", else False. False: every exchange compressed (a run that must be the
-      same from one run to the next: the choice follows measured times).
+      the exchange is chosen, dense, bf16 or compressed. ``exchange_choice()`` says what
+      it chose and why. Needs reduction="sum", no ``start_step`` and no
+      ``momentum_masking``. "float32": the same, with the float32 all-reduce the only
+      dense candidate (nothing rounded where the exchange is not compressed). None:
+      True where it applies and ``compressor`` is not "none", else False. False: every
+      exchange compressed (a run that must be the same from one run to the next: the
+      choice follows measured times).
 
   Raises:
     TypeError: ``inner_optimizer`` is not a Keras optimizer; an unknown keyword argument
@@ -275,7 +280,12 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
     if self.local_steps > 1:
       # The weights every replica held when the round began (equal on all).
       self.anchors = make.like(var_list, "anchor", "only_first_replica")
-    self._choice = choice_lib.Choice(make, var_list[0]) if self.dense_when_faster else None
+    self._choice = None
+    if self.dense_when_faster:
+      # bf16 rounds what it sums: a candidate only where the compressor is lossy too.
+      self._choice = choice_lib.Choice(
+          make, var_list[0], bf16=(self.dense_when_faster is True
+                                   and not cast.sends_every_element(self.compressor)))
     if self._choice is not None:
       self.exchange_choice_state = self._choice.checkpointed  # by name in a checkpoint
     inner_lib.build(self.inner_optimizer, var_list, per_replica=self.exchange == "updates",
@@ -369,12 +379,14 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
     Returns:
       None where it is off (``dense_when_faster=False``, ``compressor="none"``, ...) or
       before ``build``; else a dict:
-      ``"exchange"`` ("dense" or "compressed": what the last exchange was; before the
-      first, "compressed", the first probe's), ``"phase"`` ("probing compressed",
-      "probing dense" or "chosen"), and the replicas' median step times in seconds at
-      the last decision, ``"compressed_step_seconds"`` and ``"dense_step_seconds"``
-      (None before the first; where dense's probe stopped early, its last period, and
-      where the scouts skipped it, their estimate), and ``"scouted_dense_seconds"``,
+      ``"exchange"`` ("compressed", "dense" or "bf16": what the last exchange was;
+      before the first, "compressed", the first probe's), ``"phase"`` ("probing
+      compressed", "probing dense", "probing bf16" or "chosen"), and the replicas'
+      median step times in seconds at the last decision, ``"compressed_step_seconds"``,
+      ``"dense_step_seconds"`` and ``"bf16_step_seconds"`` (None before the first, and
+      bf16's where it was not probed; where a probe stopped early, its last period;
+      dense's where the scouts skipped its probe, their estimate), and
+      ``"scouted_dense_seconds"``,
       the last scouts' estimate of a dense exchange (None where they could not tell:
       ``steps.choice``).
     """

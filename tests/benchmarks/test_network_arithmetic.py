@@ -59,17 +59,18 @@ def test_split_variant_flat(variant, expected):
   assert network.split_variant(variant)[:5] == expected
 
 
-@pytest.mark.parametrize("variant,auto", [
-    ("adacomp", False), ("adacomp+auto", True), ("bf16+auto", True),
-    ("adacomp+H8+auto", True), ("none+updates+auto", True)])
-def test_split_variant_auto_reaches_the_worker(variant, auto):
-  assert bool(network.split_variant(variant).auto) == auto
+@pytest.mark.parametrize("variant,auto,worker", [
+    ("adacomp", None, None), ("adacomp+auto", True, "true"), ("bf16+auto", True, "true"),
+    ("adacomp+H8+auto", True, "true"), ("none+updates+auto", True, "true"),
+    ("adacomp+auto32", "float32", "float32")])
+def test_split_variant_auto_reaches_the_worker(variant, auto, worker):
+  assert network.split_variant(variant).auto == auto
   class Args:  # network.py's parsed arguments, as far as worker_argv reads them
     batch_size, width, max_steps, target_accuracy, eval_every = 64, 256, 64, None, 10
     threads, max_run_seconds, synthetic = 1, 30.0, False
 
   argv = network.worker_argv(Args, "cnn", variant, "/tmp/o.json")
-  assert network_worker.parse(argv[2:]).auto == auto
+  assert network_worker.parse(argv[2:]).auto == worker
 
 
 @pytest.mark.parametrize("variant,logs", [
@@ -97,6 +98,7 @@ def test_local_steps_are_evaluated_at_round_ends_at_least_as_often_as_asked(
     "adacomp+H8+H8", "adacomp+H8+H16", "adacomp+updates+gradients", "adacomp+nesterov",
     "adacomp+H8+gradients", "+H8", "adacomp+", "adacomp+flat+flat", "adacomp+Flat",
     "none+flat", "none+gradients+flat", "adacomp+perlog+perlog", "adacomp+Perlog", "none+auto", "adacomp+auto+auto",
+    "adacomp+auto+auto32", "none+auto32",
     "adacomp+steplog", "adacomp+H8+steplog+perlog"])
 def test_split_variant_names_the_bad_variant(variant):
   with pytest.raises(ValueError, match="Received: compressor=") as error:

@@ -1,13 +1,14 @@
-"""The measured choice between the compressed exchange and the dense all-reduce
-(tf_adacomp/steps/choice.py, ``CompressedOptimizer(dense_when_faster=True)``).
+"""The measured choice between the compressed exchange and the dense all-reduces, float32
+and bf16 (tf_adacomp/steps/choice.py, ``CompressedOptimizer(dense_when_faster=True)``).
 
 - The schedule on a clock the test drives (one replica, eagerly): which exchanges are
-  compressed and which dense, what it decides from which periods, the early end of a
-  dense probe on a slow link, near-ties going to dense, the re-probes and their
+  compressed, which dense and which bf16, what it decides from which periods, the early
+  end of a dense or bf16 probe, near-ties going to dense, the re-probes and their
   doubling interval.
-- ``model.fit`` on 2 replicas with short probes: both exchanges run, a dense step sends
-  the float32 bytes and leaves the residues alone, and with ``compressor="none"`` the
-  wrapper still trains exactly as Keras does whichever exchange the clock picks.
+- ``model.fit`` on 2 replicas with short probes: every exchange runs, a dense step sends
+  the float32 bytes (bf16 half) and leaves the residues alone, and with
+  ``compressor="none"`` the wrapper still trains exactly as Keras does whichever
+  exchange the clock picks.
 - The arguments: refused where they cannot apply, each naming the argument.
 """
 
@@ -26,22 +27,23 @@ DEVICES = ["/cpu:0", "/cpu:1"]
 PHASE = choice_lib.SETTLE + choice_lib.PROBE  # exchanges of one probe
 
 
-def _choice(optimizer=None):
+def _choice(optimizer=None, bf16=False):
   optimizer = optimizer or keras.optimizers.SGD(0.1)
   reference = keras.Variable(np.zeros(3, np.float32), name="w")
-  return choice_lib.Choice(variables_lib.Maker(optimizer), reference)
+  return choice_lib.Choice(variables_lib.Maker(optimizer), reference, bf16=bf16)
 
 
-def _drive(choice, exchanges, compressed_s, dense_s, start=100.0):
+def _drive(choice, exchanges, compressed_s, dense_s, start=100.0, bf16_s=None):
   """Runs ``exchanges`` exchanges on a clock where a compressed exchange's period is
-  ``compressed_s`` (a number, or a function of the exchange's index) and a dense one's
-  ``dense_s``: returns the modes, "c" or "d", in order."""
+  ``compressed_s`` (a number, or a function of the exchange's index), a dense one's
+  ``dense_s`` and a bf16 one's ``bf16_s``: returns the modes, "c", "d" or "b", in
+  order."""
   now, modes = start, []
   cost = lambda c, k: c(k) if callable(c) else c  # noqa: E731
   for k in range(exchanges):
-    dense = bool(choice._schedule(tf.constant(now, tf.float64)))  # pylint: disable=protected-access
-    modes.append("d" if dense else "c")
-    now += cost(dense_s if dense else compressed_s, k)
+    kind = int(choice._schedule(tf.constant(now, tf.float64)))  # pylint: disable=protected-access
+    modes.append("cdb"[kind])
+    now += cost((compressed_s, dense_s, bf16_s)[kind], k)
   return "".join(modes)
 
 
@@ -92,6 +94,69 @@ def test_near_a_tie_dense_wins_and_outliers_do_not_decide():
   described = choice_lib.describe(choice)
   assert described["compressed_step_seconds"] == pytest.approx(0.0099)
   assert described["dense_step_seconds"] == pytest.approx(0.0100)
+
+
+# --- bf16, the third candidate ----------------------------------------------------------
+
+
+def test_bf16_is_probed_after_dense_and_chosen_where_it_is_the_fastest():
+  choice = _choice(bf16=True)
+  modes = _drive(choice, 3 * PHASE + 5, compressed_s=0.030, dense_s=0.020, bf16_s=0.015)
+  assert modes == "c" * PHASE + "d" * PHASE + "b" * PHASE + "b" * 5
+  described = choice_lib.describe(choice)
+  assert described["exchange"] == "bf16" and described["phase"] == "chosen"
+  assert described["compressed_step_seconds"] == pytest.approx(0.030)
+  assert described["dense_step_seconds"] == pytest.approx(0.020)
+  assert described["bf16_step_seconds"] == pytest.approx(0.015)
+
+
+@pytest.mark.parametrize("compressed_s,dense_s,bf16_s,chosen", [
+    (0.030, 0.0200, 0.0199, "d"),  # bf16 within the margin of dense: the exact one
+    (0.030, 0.0200, 0.0190, "b"),  # 5% faster
+    (0.0100, 0.0101, 0.0099, "d"),  # both lossy ones within the margin
+    (0.010, 0.0150, 0.0100, "b"),  # a tie of the lossy ones: bf16 (nothing held back)
+    (0.010, 0.0150, 0.0110, "c"),
+])
+def test_the_fastest_of_three_wins_and_near_dense_the_exact_one(compressed_s, dense_s,
+                                                                bf16_s, chosen):
+  choice = _choice(bf16=True)
+  modes = _drive(choice, 3 * PHASE + 3, compressed_s=compressed_s, dense_s=dense_s,
+                 bf16_s=bf16_s)
+  assert modes == "c" * PHASE + "d" * PHASE + "b" * PHASE + chosen * 3
+
+
+@pytest.mark.parametrize("bf16_s,bf16_steps", [(0.041, 1), (0.021, 2), (0.019, PHASE)])
+def test_a_much_slower_bf16_probe_ends_after_one_or_two_steps(bf16_s, bf16_steps):
+  # Measured against the faster of the two before it (compressed, 10 ms): above 4x
+  # (a bf16 cast that costs more than it saves) after its first period, above 2x after
+  # its second.
+  choice = _choice(bf16=True)
+  modes = _drive(choice, 2 * PHASE + bf16_steps + 3, compressed_s=0.010, dense_s=0.012,
+                 bf16_s=bf16_s)
+  assert modes == "c" * PHASE + "d" * PHASE + "b" * bf16_steps + "ccc"
+  assert choice_lib.describe(choice)["bf16_step_seconds"] == pytest.approx(bf16_s)
+
+
+def test_no_bf16_probe_where_dense_lost_clearly():
+  # A bf16 step is at least half a dense one (the same compute, half the bytes): where
+  # dense took over 4 (or 2) compressed steps, bf16 takes over 2 (or 1).
+  choice = _choice(bf16=True)
+  modes = _drive(choice, PHASE + 6, compressed_s=0.010, dense_s=0.050, bf16_s=0.001)
+  assert modes == "c" * PHASE + "d" + "c" * 5
+  assert choice_lib.describe(choice)["bf16_step_seconds"] is None
+  choice = _choice(bf16=True)
+  choice.scouted.assign(0.041)  # the scouts skip the dense probe
+  modes = _drive(choice, PHASE + 3, compressed_s=0.010, dense_s=1000.0, bf16_s=0.001)
+  assert modes == "c" * (PHASE + 3)
+
+
+def test_three_probes_come_back_as_late_as_their_cost_says():
+  # bf16 chosen (5 ms): the compressed probe's 10 steps cost 5 ms each over it, the
+  # dense probe's 10 steps 10 ms each: 30 bf16 steps of extra time, 2% of 1,500.
+  choice = _choice(bf16=True)
+  _drive(choice, 3 * PHASE + 1, compressed_s=0.010, dense_s=0.015, bf16_s=0.005)
+  assert choice_lib.describe(choice)["phase"] == "chosen"
+  assert abs(int(choice.recheck.numpy()) - 1500) <= 1
 
 
 def test_the_choice_changes_when_the_costs_do():
@@ -156,10 +221,12 @@ def test_a_restored_probe_does_not_count_the_time_between_the_save_and_the_resto
 
 
 
-def test_a_checkpoint_restores_the_choice_by_name(tmp_path):
+@pytest.mark.parametrize("before_bf16", [False, True])
+def test_a_checkpoint_restores_the_choice_by_name(tmp_path, before_bf16):
   # tf.train.Checkpoint matches the wrapper's variables by name (CompressedOptimizer.
   # _trackable_children): the choice's state is under exchange_choice_state, so a probe
-  # under way resumes where it was.
+  # under way resumes where it was. One written before bf16 was a candidate (without
+  # its variables) restores the rest, and bf16's stay unmeasured.
   def compiled():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input([4]), keras.layers.Dense(2)])
@@ -175,7 +242,12 @@ def test_a_checkpoint_restores_the_choice_by_name(tmp_path):
   model.fit(rng.random((24, 4)), rng.random((24, 2)), batch_size=4, verbose=0)
   saved = state(model.optimizer)
   assert saved["count"] == 6 and set(saved) == {
-      "phase", "count", "chosen", "recheck", "periods", "medians", "scouted", "last_dense"}
+      "phase", "count", "chosen", "recheck", "periods", "medians", "scouted", "last_dense",
+      "bf16_periods", "bf16_median"}
+  if before_bf16:
+    model.optimizer._choice.bf16_periods.assign(np.ones(choice_lib.PROBE))  # pylint: disable=protected-access
+    del model.optimizer.exchange_choice_state.bf16_periods
+    del model.optimizer.exchange_choice_state.bf16_median
   path = tf.train.Checkpoint(model=model).save(str(tmp_path / "ckpt"))
   resumed = compiled()
   tf.train.Checkpoint(model=resumed).restore(path)
@@ -183,6 +255,8 @@ def test_a_checkpoint_restores_the_choice_by_name(tmp_path):
   restored = state(resumed.optimizer)
   assert set(restored) == set(saved)
   for name, value in saved.items():
+    if before_bf16 and name.startswith("bf16_"):
+      value = np.zeros_like(value)  # not in the checkpoint: as built
     np.testing.assert_array_equal(restored[name], value, err_msg=name)
 
 def _drive_scouted(choice, exchanges, compressed_s, scouted_s):
@@ -286,20 +360,72 @@ class _Steps(keras.callbacks.Callback):
     self.residues.append([x.numpy().copy() for r in self.optimizer.residues for x in r])
 
 
-def test_fit_runs_both_exchanges_and_a_dense_step_keeps_the_residues(full_dense_probes):
+def test_fit_runs_every_exchange_and_a_dense_step_keeps_the_residues(full_dense_probes):
   del full_dense_probes
   _, _, steps = _fit(lambda: tf_adacomp.CompressedOptimizer(
       keras.optimizers.SGD(0.05), compressor="adacomp",
       dense_when_faster=True), steps=14)
-  assert steps.modes[:3] == list("ccc") and steps.modes[3:6] == list("ddd")  # the probes
+  assert steps.modes[:9] == list("cccdddbbb")  # the probes
   dense_bytes = 4 * (5 * 3 + 3)
   for k, mode in enumerate(steps.modes):
-    if mode == "d":
-      assert steps.bytes[k] == dense_bytes, (k, steps.modes, steps.bytes)
+    if mode in "db":  # float32, or bf16's half
+      assert steps.bytes[k] == dense_bytes // (2 if mode == "b" else 1), (
+          k, steps.modes, steps.bytes)
       for before, after in zip(steps.residues[k - 1], steps.residues[k]):
         np.testing.assert_array_equal(after, before)  # nothing held back
     else:
       assert 0 < steps.bytes[k] < dense_bytes, (k, steps.modes, steps.bytes)
+
+
+def test_rounds_take_every_exchange_and_a_bf16_round_sends_half(full_dense_probes):
+  # Local steps: the choice takes each round's exchange (Choice.exchange), whose bytes
+  # are counted at the round's end.
+  del full_dense_probes
+  _, _, steps = _fit(lambda: tf_adacomp.CompressedOptimizer(
+      keras.optimizers.SGD(0.05), compressor="adacomp", local_steps=2,
+      dense_when_faster=True), steps=24)
+  ends = [k for k in range(24) if k % 2 == 1]  # a round's end, every second step
+  assert "".join(steps.modes[k] for k in ends[:9]) == "cccdddbbb"
+  dense_bytes = 4 * (5 * 3 + 3)
+  for k in ends:
+    if steps.modes[k] in "db":
+      assert steps.bytes[k] == dense_bytes // (2 if steps.modes[k] == "b" else 1), (
+          k, steps.modes, steps.bytes)
+
+
+def test_float32_alone_never_rounds(full_dense_probes):
+  del full_dense_probes
+  _, optimizer, steps = _fit(lambda: tf_adacomp.CompressedOptimizer(
+      keras.optimizers.SGD(0.05), compressor="adacomp", dense_when_faster="float32"),
+      steps=10)
+  assert steps.modes[:6] == list("cccddd") and "b" not in steps.modes
+  assert optimizer.exchange_choice()["bf16_step_seconds"] is None
+
+
+def test_bf16_sums_the_rounded_values_and_counts_their_bytes():
+  strategy = tf.distribute.MirroredStrategy(DEVICES)
+  rng = np.random.default_rng(0)
+  values = [rng.normal(size=(2, 7)).astype(np.float32),
+            rng.normal(size=(2, 5)).astype(np.float16)]
+
+  def replica():
+    replica_id = tf.distribute.get_replica_context().replica_id_in_sync_group
+    own = [tf.gather(tf.constant(v), replica_id) for v in values]
+    return choice_lib._dense_sums(  # pylint: disable=protected-access
+        tf.distribute.get_replica_context(), own, bf16=True)
+
+  sums, nbytes = tf.function(lambda: strategy.run(replica))()
+  rounded = values[0].astype(tf.bfloat16.as_numpy_dtype).astype(np.float32)
+  # Summed in bfloat16: the rounded values' sum, rounded once more.
+  want = rounded.sum(0).astype(tf.bfloat16.as_numpy_dtype).astype(np.float32)
+  for got in strategy.experimental_local_results(sums[0]):
+    assert got.dtype == tf.float32
+    np.testing.assert_array_equal(got.numpy(), want)
+    assert not np.array_equal(got.numpy(), values[0].sum(0))
+  for got in strategy.experimental_local_results(sums[1]):  # float16: as it was
+    assert got.dtype == tf.float16
+    np.testing.assert_array_equal(got.numpy(), values[1].sum(0))
+  assert [int(strategy.experimental_local_results(n)[0]) for n in nbytes] == [2 * 7, 2 * 5]
 
 
 @pytest.mark.parametrize("exchange", ["updates", "gradients"])
@@ -442,17 +568,18 @@ def test_adams_dense_exchange_keeps_each_replicas_own_moments(full_dense_probes)
     assert not np.array_equal(first, second)
 
 
-def test_compression_stats_logs_each_decision(short_probes, caplog):
-  del short_probes
+def test_compression_stats_logs_each_decision(full_dense_probes, caplog):
+  del full_dense_probes
   with caplog.at_level(logging.INFO, logger="tf_adacomp"):
     _, optimizer, steps = _fit(lambda: tf_adacomp.CompressedOptimizer(
-        keras.optimizers.SGD(0.05), dense_when_faster=True), steps=8,
+        keras.optimizers.SGD(0.05), dense_when_faster=True), steps=12,
         callbacks=[tf_adacomp.CompressionStats()])
   lines = [r.getMessage() for r in caplog.records if "dense_when_faster" in r.getMessage()]
   assert lines, steps.modes
   choice = optimizer.exchange_choice()
   assert f"the {choice['exchange']} exchange" in lines[-1]
   assert f"{1e3 * choice['dense_step_seconds']:.1f} ms dense" in lines[-1]
+  assert f"{1e3 * choice['bf16_step_seconds']:.1f} ms bf16" in lines[-1]
 
 
 # --- Arguments ---------------------------------------------------------------------------
@@ -460,6 +587,8 @@ def test_compression_stats_logs_each_decision(short_probes, caplog):
 
 @pytest.mark.parametrize("kwargs,named", [
     ({"dense_when_faster": 1}, "dense_when_faster=1"),
+    ({"dense_when_faster": "bf16"}, "dense_when_faster='bf16'"),
+    ({"dense_when_faster": "float32", "start_step": 5}, "start_step=5"),
     ({"dense_when_faster": True, "reduction": "adasum"}, "reduction='adasum'"),
     ({"dense_when_faster": True, "start_step": 5}, "start_step=5"),
     ({"dense_when_faster": True, "momentum_masking": True}, "momentum_masking=True"),
@@ -474,6 +603,7 @@ def test_refused_where_it_cannot_apply(kwargs, named):
     ({}, True),  # the default: on wherever it applies
     ({"dense_when_faster": True}, True),
     ({"dense_when_faster": False}, False),
+    ({"dense_when_faster": "float32"}, "float32"),
     ({"compressor": "none"}, False),  # nothing to choose between
     ({"compressor": "none", "dense_when_faster": True}, True),
     ({"reduction": "adasum"}, False),
@@ -482,13 +612,13 @@ def test_refused_where_it_cannot_apply(kwargs, named):
 ])
 def test_on_by_default_wherever_it_applies(kwargs, on):
   wrapper = tf_adacomp.CompressedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), **kwargs)
-  assert wrapper.dense_when_faster is on
+  assert wrapper.dense_when_faster == on and type(wrapper.dense_when_faster) is type(on)
   config = wrapper.get_config()
-  assert config["dense_when_faster"] is on
-  assert tf_adacomp.CompressedOptimizer.from_config(config).dense_when_faster is on
+  assert config["dense_when_faster"] == on
+  assert tf_adacomp.CompressedOptimizer.from_config(config).dense_when_faster == on
   assert wrapper.exchange_choice() is None  # not built
   wrapper.build([keras.Variable(np.zeros(3, np.float32))])
-  assert (wrapper.exchange_choice() is not None) is on
-  assert any("exchange_choice" in v.path for v in wrapper.variables) is on
+  assert (wrapper.exchange_choice() is not None) is bool(on)
+  assert any("exchange_choice" in v.path for v in wrapper.variables) is bool(on)
   # The time of the last exchange is not saved (restored, it would span the gap).
   assert not any("last_time" in v.path for v in wrapper.variables)

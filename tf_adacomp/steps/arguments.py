@@ -54,7 +54,7 @@ class Settings(NamedTuple):
   outer_optimizer: Union[str, keras.optimizers.Optimizer]
   hierarchical: Optional[bool]
   devices_per_worker: Optional[int]
-  dense_when_faster: bool
+  dense_when_faster: object  # True, False or "float32"
 
 
 def resolve(wrapper_init, inner_optimizer, compressor, start_step, reduction, adasum_mode,
@@ -132,9 +132,9 @@ def compressor_of_rounds(named, compressor, local_steps, second_moment):
 
 def check_dense_when_faster(dense_when_faster, reduction, start_step, momentum_masking,
                             compressor):
-  """``dense_when_faster`` as a bool, or ValueError where True cannot apply: its dense
-  exchange is a sum (not Adasum), and a warm-up or momentum masking would change what
-  its probes measure or mask.
+  """``dense_when_faster`` as True, False or "float32", or ValueError where it cannot
+  apply: its dense exchange is a sum (not Adasum), and a warm-up or momentum masking
+  would change what its probes measure or mask.
 
   None (the default) is True wherever True applies and the compressor compresses: the
   wrapper is never much slower than Keras' dense step, where that is the faster one
@@ -143,22 +143,25 @@ def check_dense_when_faster(dense_when_faster, reduction, start_step, momentum_m
   if dense_when_faster is None:
     return (reduction == "sum" and not start_step and not momentum_masking
             and not isinstance(compressor, cast.NoCompression))
-  dense_when_faster = checks.boolean(dense_when_faster, "dense_when_faster")
-  if not dense_when_faster:
-    return False
-  received = "Received: dense_when_faster=True, "
+  if not (isinstance(dense_when_faster, str) and dense_when_faster == "float32"):
+    if not isinstance(dense_when_faster, bool):
+      raise ValueError("`dense_when_faster` must be None, True, False or 'float32'. "
+                       f"Received: dense_when_faster={dense_when_faster!r}")
+    if not dense_when_faster:
+      return False
+  received = f"Received: dense_when_faster={dense_when_faster!r}, "
   if reduction != "sum":
-    raise ValueError("`dense_when_faster=True` chooses between the compressed exchange and "
+    raise ValueError("`dense_when_faster` chooses between the compressed exchange and "
                      "the dense sum, and needs reduction='sum'. "
                      f"{received}reduction={reduction!r}")
   if start_step:
-    raise ValueError("`dense_when_faster=True` measures its own dense steps and does not "
+    raise ValueError("`dense_when_faster` measures its own dense steps and does not "
                      "take a dense warm-up (`start_step` > 0). "
                      f"{received}start_step={start_step!r}")
   if momentum_masking:
-    raise ValueError("`dense_when_faster=True` does not take `momentum_masking=True` (a "
+    raise ValueError("`dense_when_faster` does not take `momentum_masking=True` (a "
                      f"dense step would mask nothing). {received}momentum_masking=True")
-  return True
+  return dense_when_faster
 
 
 def check_inner(inner_optimizer):

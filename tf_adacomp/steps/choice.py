@@ -1,5 +1,5 @@
-"""The measured choice between the compressed exchange and the dense float32 all-reduce
-(``CompressedOptimizer(dense_when_faster=True)``).
+"""The measured choice between the compressed exchange, the dense float32 all-reduce and
+the dense bfloat16 one (``CompressedOptimizer(dense_when_faster=True)``).
 
 Where links are fast, compressing costs more than it saves: on one host, or over 1
 Gbit/s with a small model, the compressed step is slower than Keras' dense step
@@ -28,11 +28,19 @@ devices, so the wrapper measures it on the cluster it runs on, in the training i
    more than ``EARLY_FACTORS[1]`` times the compressed median (a slow link: one dense
    step is all it costs), or its second, past the one-off costs of the first, more than
    ``EARLY_FACTORS[2]`` times.
-3. **Decide**: the medians (robust to an evaluation or a checkpoint between two steps)
+3. **Probe bf16** (where it is a candidate: the compressor compresses, and the user did
+   not ask for float32 alone) after a whole dense probe: the same with the values cast
+   to bfloat16 for the all-reduce (half dense's bytes; rounded, nothing held back, as
+   the ``"bf16"`` compressor). Where dense's probe ended early or was skipped, so is
+   bf16's: its step is at least half of dense's (the same compute, half the transfer),
+   more than the compressed step. It ends early as dense's does, measured against the
+   faster of the two probed before.
+4. **Decide**: the medians (robust to an evaluation or a checkpoint between two steps)
    averaged over the replicas in one all-reduce, so that every replica decides the
-   same. The compressed exchange is kept only where its median is below
-   ``1 - MARGIN`` times dense's: near a tie the exact exchange wins.
-4. **Run** the choice for ``recheck`` exchanges (``RECHECK`` at first, doubled each time
+   same. A lossy exchange (compressed or bf16, the faster of the two; bf16 on a tie)
+   is kept only where its median is below ``1 - MARGIN`` times dense's: near a tie the
+   exact exchange wins.
+5. **Run** the choice for ``recheck`` exchanges (``RECHECK`` at first, doubled each time
    the same choice wins again, up to ``RECHECK_MAX``; and long enough that the next
    probe's steps of the slower exchange cost at most ``PROBE_SHARE`` of the time until
    then: on a slow link one dense step is worth many compressed ones), then probe
@@ -44,8 +52,9 @@ that is not (the times) is averaged before anything depends on it.
 
 Where the optimizer exchanges every step, the choice takes the whole step
 (``ChosenStep``): a dense step is Keras' own, the gradients' all-reduce and one inner
-step. With rounds of local steps or a shared moment it takes the exchange
-(``Choice.exchange``, through ``steps.guard.Guard``): the same values, summed dense.
+step (bf16: the gradients cast for the all-reduce). With rounds of local steps or a
+shared moment it takes the exchange (``Choice.exchange``, through ``steps.guard.Guard``):
+the same values, summed dense (or cast to bfloat16 and summed).
 """
 
 import tensorflow as tf
@@ -70,10 +79,13 @@ RECHECK = 200  # exchanges between probes, at first
 RECHECK_MAX = 10_000
 PROBE_SHARE = 0.02  # the most a probe's extra time may be of the time between probes
 
-# Phases (the variable ``phase``).
-PROBING_COMPRESSED, PROBING_DENSE, CHOSEN = 0, 1, 2
+# Phases (the variable ``phase``; bf16's probe came last, and its number with it).
+PROBING_COMPRESSED, PROBING_DENSE, CHOSEN, PROBING_BF16 = 0, 1, 2, 3
 # ``chosen``: what the last decision chose (NONE, the variables' zeros, before any).
-NONE, COMPRESSED, DENSE = 0, 1, 2
+NONE, COMPRESSED, DENSE, BF16 = 0, 1, 2, 3
+# An exchange's kind (what the schedule returns, and the branch the step takes).
+KIND_COMPRESSED, KIND_DENSE, KIND_BF16 = 0, 1, 2
+KIND_NAMES = ("compressed", "dense", "bf16")
 
 
 class Choice:
@@ -84,9 +96,11 @@ class Choice:
       replica: the times are each replica's own, the schedule is equal on all).
     reference: a variable of the wrapper's (the new ones are named after it and placed
       beside it).
+    bf16: whether the dense bfloat16 all-reduce is a candidate (its probe runs).
   """
 
-  def __init__(self, make, reference):
+  def __init__(self, make, reference, bf16=False):
+    self.bf16 = bf16
     # The saved ones by name, for the wrapper's checkpoint (its ``_trackable_children``).
     self.checkpointed = tf.__internal__.tracking.AutoTrackable()
 
@@ -110,28 +124,34 @@ class Choice:
     self.last_time = one("last_time", [], tf.float64, "mean", saved=False)
     # This replica's estimate of a dense exchange's seconds from the last scout (0: none).
     self.scouted = one("scouted", [], tf.float64, "mean")
-    # 1 where the last step was dense (``ChosenStep``: the replicas' states are equal).
+    # 1 where the last step was dense or bf16 (``ChosenStep``: the replicas' states are
+    # equal).
     self.last_dense = one("last_dense", [], tf.int64, "only_first_replica")
+    # bf16's probe: its counted periods and the replicas' median at the last decision
+    # (0: not measured). Variables of their own, not a third row of ``periods``: a
+    # checkpoint written before bf16 was a candidate restores by name, as it was.
+    self.bf16_periods = one("bf16_periods", [PROBE], tf.float64, "mean")
+    self.bf16_median = one("bf16_median", [], tf.float64, "mean")
 
   def exchange(self, plans, values, states, compressed):
-    """This exchange, compressed (``compressed(values, states)``, an ``Exchanged``) or
-    dense, as the schedule says; the periods recorded and the schedule moved on.
+    """This exchange, compressed (``compressed(values, states)``, an ``Exchanged``),
+    dense or bf16, as the schedule says; the periods recorded and the schedule moved on.
 
     Args:
       plans, values, states: the exchange's (``steps.guard.Guard.exchange``).
       compressed: a function of ``(values, states)``: the compressed exchange.
 
     Returns:
-      An ``Exchanged``: the dense one sums the values exactly, keeps the states as they
-      were (nothing was held back) and counts 4 bytes per element of float32 (the
-      values' own width otherwise).
+      An ``Exchanged``: the dense one sums the values exactly (bf16: cast to bfloat16
+      and back), keeps the states as they were (nothing was held back) and counts the
+      bytes of what it summed (4 per element of float32, 2 of bf16).
     """
     present = [k for k, v in enumerate(values) if v is not None]
     # Dense, with the plan's static shape (an Embedding's IndexedSlices summed into rows).
     dense_values = [engine_lib.densified(values[k], plans[k]) for k in present]
-    use_dense, scout, scout_bytes = self._begin(dense_values)
+    kind, scout, scout_bytes = self._begin(dense_values)
 
-    # Each replica's values and states go through the arguments (cond_on_every_replica).
+    # Each replica's values and states go through the arguments (switch_on_every_replica).
     def run_compressed(own):
       own_values, own_states = own
       full_values, full_states = [None] * len(values), list(states)
@@ -142,15 +162,13 @@ class Choice:
               [tuple(exchanged.states[k]) for k in present],
               [tf.cast(exchanged.nbytes[k], tf.int64) for k in present])
 
-    def run_dense(own):
+    def run_dense(own, bf16=False):
       own_values, own_states = own
-      ctx = tf.distribute.get_replica_context()
-      sums = engine_lib.all_reduce_joined(ctx, list(own_values))
-      nbytes = [base.dense_nbytes(v)[0] for v in own_values]
+      sums, nbytes = _dense_sums(tf.distribute.get_replica_context(), own_values, bf16)
       return sums, [tuple(tf.identity(s) for s in state) for state in own_states], nbytes
 
-    sums, new_states, nbytes = replica_steps.cond_on_every_replica(
-        use_dense, run_dense, run_compressed,
+    sums, new_states, nbytes = replica_steps.switch_on_every_replica(
+        kind, [run_compressed, run_dense, lambda own: run_dense(own, bf16=True)],
         (dense_values, [tuple(states[k]) for k in present]))
     # The scout's bytes counted with the first value's, as dense ones are.
     nbytes = list(nbytes)
@@ -163,17 +181,17 @@ class Choice:
 
   def _begin(self, dense_values):
     """The schedule moved on at the time ``dense_values`` are ready (a scout run where
-    it says): ``(whether this exchange is dense, whether it scouted, a scout's
+    it says): ``(this exchange's kind, an int32 KIND_*; whether it scouted; a scout's
     bytes)``."""
     with tf.control_dependencies(dense_values):  # when this step's values are ready
       now = tf.timestamp()
     dense_bytes = sum(v.shape.num_elements() * v.dtype.size for v in dense_values)
     scout_bytes = dense_bytes // SCOUT_FRACTION
-    use_dense = self._schedule(now, scout_bytes)
-    with tf.control_dependencies([use_dense]):  # the schedule's new phase and count
+    kind = self._schedule(now, scout_bytes)
+    with tf.control_dependencies([kind]):  # the schedule's new phase and count
       scout = (tf.equal(tf.convert_to_tensor(self.phase), PROBING_COMPRESSED)
                & tf.less_equal(tf.convert_to_tensor(self.count), SETTLE))
-    return use_dense, scout, scout_bytes
+    return kind, scout, scout_bytes
 
   def _keep(self, estimate, count):
     """Keeps a scout's ``estimate`` (negative: none this exchange): the lowest of a
@@ -185,7 +203,7 @@ class Choice:
   def _schedule(self, now, scout_bytes=0):
     """Records the period that ends at ``now``, moves the schedule one exchange on,
     scouts where the new count says so (``scout_bytes`` > 0: a scout's bytes; 0, no
-    scouts) and returns whether this exchange is dense (a bool, equal on every
+    scouts) and returns this exchange's kind (an int32 ``KIND_*``, equal on every
     replica).
 
     Between a decision and the next probe (nearly every exchange) only the count moves:
@@ -203,7 +221,7 @@ class Choice:
     """The schedule's step between probes: one more exchange of the chosen kind."""
     del now  # no period is recorded between probes
     with tf.control_dependencies([self.count.assign_add(1)]):
-      return tf.equal(tf.convert_to_tensor(self.chosen), DENSE)
+      return _kind(tf.constant(CHOSEN, tf.int64), tf.convert_to_tensor(self.chosen))
 
   def _move(self, now, scout_bytes):
     """``_schedule`` where a probe runs, or the next begins."""
@@ -213,62 +231,97 @@ class Choice:
     period = now - last
     # The period ending now is the previous exchange's, of this phase when count >= 1.
     slot = count - 1 - SETTLE
-    probing = tf.less(phase, CHOSEN)
+    probing = tf.not_equal(phase, CHOSEN)
     counted = probing & (slot >= 0) & (slot < PROBE) & (last > 0.0)
-    index = tf.stack([tf.minimum(phase, 1), tf.clip_by_value(slot, 0, PROBE - 1)])
-    periods = tf.convert_to_tensor(self.periods)
+    # The periods' rows: compressed, dense, bf16.
+    row = tf.where(tf.equal(phase, PROBING_BF16), tf.constant(2, tf.int64),
+                   tf.minimum(phase, 1))
+    periods = tf.concat([tf.convert_to_tensor(self.periods),
+                         tf.convert_to_tensor(self.bf16_periods)[tf.newaxis]], 0)
+    index = tf.stack([row, tf.clip_by_value(slot, 0, PROBE - 1)])
     periods = tf.where(counted, tf.tensor_scatter_nd_update(periods, [index], [period]),
                        periods)
-    compressed_median = _median(periods[0])
+    medians = [_median(periods[k]) for k in range(3)]
+    full = SETTLE + PROBE
     dense_probe = tf.equal(phase, PROBING_DENSE) & (last > 0.0)
-    early = {k: dense_probe & tf.equal(count, k) for k in EARLY_FACTORS}
-    full = tf.equal(phase, PROBING_DENSE) & tf.equal(count, SETTLE + PROBE)
-    to_dense_probe = tf.equal(phase, PROBING_COMPRESSED) & tf.equal(count, SETTLE + PROBE)
+    bf16_probe = tf.equal(phase, PROBING_BF16) & (last > 0.0)
+    early_dense = {k: dense_probe & tf.equal(count, k) for k in EARLY_FACTORS}
+    early_bf16 = {k: bf16_probe & tf.equal(count, k) for k in EARLY_FACTORS}
+    full_dense = tf.equal(phase, PROBING_DENSE) & tf.equal(count, full)
+    full_bf16 = tf.equal(phase, PROBING_BF16) & tf.equal(count, full)
+    to_dense_probe = tf.equal(phase, PROBING_COMPRESSED) & tf.equal(count, full)
+    # A whole dense probe goes on to bf16's (where it is a candidate); nothing is
+    # decided there.
+    to_bf16_probe = full_dense & self.bf16
     scouted = tf.convert_to_tensor(self.scouted)
-    # The replicas' mean of [the compressed median, dense's first period or median, or
-    # the scout's estimate of a dense exchange].
-    dense_time = tf.where(full, _median(periods[1]), tf.where(to_dense_probe, scouted, period))
+    # The replicas' mean of [the compressed median, dense's (its first period or median,
+    # or the scout's estimate of a dense exchange), bf16's (its first periods or median;
+    # 0: not probed)].
+    dense_time = tf.where(full_dense | tf.equal(phase, PROBING_BF16), medians[1],
+                          tf.where(to_dense_probe, scouted, period))
+    bf16_time = tf.where(full_bf16, medians[2], tf.where(bf16_probe, period, 0.0))
+    measuring = [to_dense_probe, full_bf16, *early_dense.values(), *early_bf16.values()]
+    if not self.bf16:
+      measuring.append(full_dense)
     measured = replica_steps.cond_on_every_replica(
-        tf.reduce_any(tf.stack([full, to_dense_probe, *early.values()])), _mean_over_replicas,
-        lambda own: tf.zeros([2], tf.float64), tf.stack([compressed_median, dense_time]))
-    compressed_wins = measured[0] < (1.0 - MARGIN) * measured[1]
+        tf.reduce_any(tf.stack(measuring)), _mean_over_replicas,
+        lambda own: tf.zeros([3], tf.float64),
+        tf.stack([medians[0], dense_time, bf16_time]))
+    compressed_s, dense_s, bf16_s = measured[0], measured[1], measured[2]
     # A dense exchange alone longer than EARLY_FACTORS[1] compressed periods: no probe.
-    skipped = to_dense_probe & (measured[1] > EARLY_FACTORS[1] * measured[0])
-    decided = full | skipped
+    skipped = to_dense_probe & (dense_s > EARLY_FACTORS[1] * compressed_s)
+    decided = skipped | full_bf16 | (full_dense & ~to_bf16_probe)
     for k, factor in EARLY_FACTORS.items():
-      decided = decided | (early[k] & (measured[1] > factor * measured[0]))
-    new_choice = tf.where(compressed_wins, tf.constant(COMPRESSED, tf.int64),
+      decided = (decided | (early_dense[k] & (dense_s > factor * compressed_s))
+                 | (early_bf16[k] & (bf16_s > factor * tf.minimum(compressed_s, dense_s))))
+    # The faster lossy exchange (bf16 on a tie; not probed, not a candidate), kept only
+    # where it beats dense by the margin. A probe that ended early lost to the one it
+    # was measured against: its period exceeds twice that one's.
+    bf16_probed = bf16_s > 0.0
+    bf16_or_inf = tf.where(bf16_probed, bf16_s, tf.constant(float("inf"), tf.float64))
+    lossy_s = tf.minimum(compressed_s, bf16_or_inf)
+    lossy = tf.where(bf16_or_inf <= compressed_s, tf.constant(BF16, tf.int64),
+                     tf.constant(COMPRESSED, tf.int64))
+    new_choice = tf.where(lossy_s < (1.0 - MARGIN) * dense_s, lossy,
                           tf.constant(DENSE, tf.int64))
-    # The same choice again: the next probe comes twice as late (the probe of the
-    # slower exchange costs, and nothing changed).
+    # The same choice again: the next probe comes twice as late (the probes of the
+    # slower exchanges cost, and nothing changed).
     new_recheck = tf.where(tf.equal(new_choice, chosen),
                            tf.clip_by_value(2 * recheck, RECHECK, RECHECK_MAX),
                            tf.constant(RECHECK, tf.int64))
-    # The probe's extra time, its slower exchanges times what each cost over the faster
-    # one, at most PROBE_SHARE of the time until the next probe.
-    slower = tf.where(full, tf.constant(float(SETTLE + PROBE), tf.float64),
-                      tf.cast(count, tf.float64))
-    faster = tf.maximum(tf.reduce_min(measured), 1e-9)
+    # The probes' extra time, each one's exchanges times what each cost over the
+    # fastest one, at most PROBE_SHARE of the time until the next probe.
+    faster = tf.maximum(tf.minimum(lossy_s, dense_s), 1e-9)
+    dense_n = tf.cast(tf.where(tf.equal(phase, PROBING_DENSE) & ~full_dense, count,
+                               tf.constant(full, tf.int64)), tf.float64)
+    bf16_n = tf.cast(tf.where(full_bf16, tf.constant(full, tf.int64), count), tf.float64)
+    probes = (full * (compressed_s / faster - 1.0) + dense_n * (dense_s / faster - 1.0)
+              + tf.where(bf16_probed, bf16_n * (bf16_s / faster - 1.0), 0.0))
     extra = tf.where(skipped,  # the scouts: each a fraction of a dense exchange
-                     SETTLE * measured[1] / SCOUT_FRACTION / faster,
-                     slower * (tf.reduce_max(measured) / faster - 1.0))
+                     SETTLE * dense_s / SCOUT_FRACTION / faster, probes)
     new_recheck = tf.minimum(
         tf.maximum(new_recheck, tf.cast(tf.math.ceil(extra / PROBE_SHARE), tf.int64)),
         RECHECK_MAX)
     to_probe = tf.equal(phase, CHOSEN) & (count >= recheck)
-    new_phase = tf.where(to_dense_probe & ~skipped, tf.constant(PROBING_DENSE, tf.int64),
-                         tf.where(decided, tf.constant(CHOSEN, tf.int64),
-                                  tf.where(to_probe, tf.constant(PROBING_COMPRESSED, tf.int64),
-                                           phase)))
-    moved = to_dense_probe | decided | to_probe
+    new_phase = tf.where(
+        to_dense_probe & ~skipped, tf.constant(PROBING_DENSE, tf.int64),
+        tf.where(to_bf16_probe, tf.constant(PROBING_BF16, tf.int64),
+                 tf.where(decided, tf.constant(CHOSEN, tf.int64),
+                          tf.where(to_probe, tf.constant(PROBING_COMPRESSED, tf.int64),
+                                   phase))))
+    moved = to_dense_probe | to_bf16_probe | decided | to_probe
     chosen = tf.where(decided, new_choice, chosen)
     updates = [
-        self.periods.assign(periods),
+        self.periods.assign(periods[:2]),
+        self.bf16_periods.assign(periods[2]),
         self.phase.assign(new_phase),
         self.count.assign(tf.where(moved, tf.constant(1, tf.int64), count + 1)),
         self.chosen.assign(chosen),
         self.recheck.assign(tf.where(decided, new_recheck, recheck)),
-        self.medians.assign(tf.where(decided, measured, tf.convert_to_tensor(self.medians))),
+        self.medians.assign(tf.where(decided, measured[:2],
+                                     tf.convert_to_tensor(self.medians))),
+        self.bf16_median.assign(tf.where(decided, bf16_s,
+                                         tf.convert_to_tensor(self.bf16_median))),
         self.last_time.assign(now),
     ]
     if scout_bytes:  # a compressed probe's settling exchanges scout the link
@@ -280,18 +333,36 @@ class Choice:
             lambda own: tf.constant(-1.0, tf.float64), now)
       updates.append(self._keep(estimate, new_count))
     with tf.control_dependencies(updates):
-      return tf.identity(tf.equal(new_phase, PROBING_DENSE)
-                         | (tf.equal(new_phase, CHOSEN) & tf.equal(chosen, DENSE)))
+      return tf.identity(_kind(new_phase, chosen))
+
+
+def _kind(phase, chosen):
+  """The kind (an int32 ``KIND_*``) of an exchange in ``phase`` after the decision
+  ``chosen``."""
+  dense = tf.equal(phase, PROBING_DENSE) | (tf.equal(phase, CHOSEN) & tf.equal(chosen, DENSE))
+  bf16 = tf.equal(phase, PROBING_BF16) | (tf.equal(phase, CHOSEN) & tf.equal(chosen, BF16))
+  return tf.where(dense, KIND_DENSE, tf.where(bf16, KIND_BF16, KIND_COMPRESSED))
+
+
+def _dense_sums(ctx, values, bf16):
+  """``values`` summed over the replicas (one all-reduce per dtype; with ``bf16`` the
+  float32 ones cast to bfloat16 for it, and back) and the bytes each sent."""
+  wire = [tf.cast(v, tf.bfloat16) if bf16 and v.dtype == tf.float32 else v for v in values]
+  sums = engine_lib.all_reduce_joined(ctx, wire)
+  return ([tf.cast(s, v.dtype) for s, v in zip(sums, values)],
+          [base.dense_nbytes(w)[0] for w in wire])
 
 
 class ChosenStep:
   """``dense_when_faster`` for a whole step (the update and the gradient exchange, one
   exchange per step): each step is either the mode's own, compressed, or Keras' dense
-  step, as ``choice``'s schedule says, in one cross-replica switch.
+  step (or that step with bf16 sums), as ``choice``'s schedule says, in one
+  cross-replica switch.
 
   Keras' dense step: the gradients summed over the replicas (one all-reduce per dtype;
-  each replica's clipped to ``local_clipnorm`` first, where set) and one step of the
-  inner optimizer on their sum, skipped where the sum is not finite. Under the update
+  each replica's clipped to ``local_clipnorm`` first, where set; with bf16 the float32
+  ones cast to bfloat16 for it) and one step of the inner optimizer on their sum,
+  skipped where the sum is not finite. Under the update
   exchange each replica's inner optimizer state is its own (its own gradients stepped
   it); the first dense step after compressed ones sets every replica's to their mean
   first (one all-reduce per dtype), so that from there every replica takes the same
@@ -319,7 +390,7 @@ class ChosenStep:
     plans = [guard.plans[indices[k]] for k in present]
     # Dense, with the plan's static shape (an Embedding's IndexedSlices summed into rows).
     dense_grads = [engine_lib.densified(grads[k], p) for k, p in zip(present, plans)]
-    use_dense, scout, scout_bytes = choice._begin(dense_grads)  # pylint: disable=protected-access
+    kind, scout, scout_bytes = choice._begin(dense_grads)  # pylint: disable=protected-access
     last_dense = tf.equal(tf.convert_to_tensor(choice.last_dense), 1)
 
     # Each replica's gradients go through the arguments (switch_on_every_replica).
@@ -327,25 +398,28 @@ class ChosenStep:
       self.step(list(own[0]), variables, indices, dense)
       return tf.constant(0)
 
-    def run_dense(own, sync=False):
+    def run_dense(own, sync=False, bf16=False):
       ctx = tf.distribute.get_replica_context()
       if sync:
         _average_state(ctx, self.inner.optimizer)
       # Each replica's own mean gradient clipped to local_clipnorm first, as both
       # exchanges clip it.
       own_grads = self.inner.clip(list(own[1]), ctx.num_replicas_in_sync)
-      sums = engine_lib.all_reduce_joined(ctx, own_grads)
+      sums, nbytes = _dense_sums(ctx, own_grads, bf16)
       finite = fused.all_finite(sums)  # the same sums, the same flag, on every replica
       stepping = [variables[k] for k in present]
       guard.on_every_replica_if(finite, lambda s: self.inner.step(list(s), stepping), sums)
-      guard.record_bytes([indices[k] for k in present],
-                         [base.dense_nbytes(g)[0] for g in own[1]])
+      guard.record_bytes([indices[k] for k in present], nbytes)
       return tf.constant(0)
 
+    # Branches: compressed; dense, then with the state averaged first; bf16, the same.
     sync = tf.logical_not(last_dense) if self.per_replica else tf.constant(False)
-    branch = tf.where(use_dense, tf.where(sync, 2, 1), 0)  # int32
+    branch = tf.where(tf.equal(kind, KIND_COMPRESSED), 0,
+                      2 * kind - 1 + tf.cast(sync, tf.int32))  # int32
     done = replica_steps.switch_on_every_replica(
-        branch, [run_compressed, run_dense, lambda own: run_dense(own, sync=True)],
+        branch, [run_compressed, run_dense, lambda own: run_dense(own, sync=True),
+                 lambda own: run_dense(own, bf16=True),
+                 lambda own: run_dense(own, sync=True, bf16=True)],
         (list(grads), dense_grads))
     # The scout's bytes (it ran before the exchange) with the first gradient's.
     guard.bytes_sent.assign_add(
@@ -353,7 +427,7 @@ class ChosenStep:
         * tf.where(scout, tf.constant(_scout_sent(scout_bytes), tf.int64),
                    tf.constant(0, tf.int64)))
     with tf.control_dependencies([done]):
-      choice.last_dense.assign(tf.cast(use_dense, tf.int64))
+      choice.last_dense.assign(tf.cast(tf.not_equal(kind, KIND_COMPRESSED), tf.int64))
 
 
 def _average_state(ctx, optimizer):
@@ -419,21 +493,23 @@ def describe(choice):
   """What ``choice`` is doing, as Python values (``CompressedOptimizer.exchange_choice``).
 
   Returns:
-    ``{"exchange": "dense" | "compressed", "phase": "probing compressed" | "probing
-    dense" | "chosen", "compressed_step_seconds": ..., "dense_step_seconds": ...,
-    "scouted_dense_seconds": ...}``: the last exchange's kind and phase, the replicas'
-    median step times at the last decision (None before one; dense's is its last
-    period where the probe stopped early, or the scouts' estimate where they skipped
-    it), and the replicas' mean of the last scouts' estimate of a dense exchange (None
-    where they could not tell).
+    ``{"exchange": "compressed" | "dense" | "bf16", "phase": "probing compressed" |
+    "probing dense" | "probing bf16" | "chosen", "compressed_step_seconds": ...,
+    "dense_step_seconds": ..., "bf16_step_seconds": ..., "scouted_dense_seconds":
+    ...}``: the last exchange's kind and phase, the replicas' median step times at the
+    last decision (None before one, and bf16's where it was not probed; where a probe
+    stopped early, its last period; dense's where the scouts skipped its probe, their
+    estimate), and the replicas' mean of the last scouts' estimate of a dense exchange
+    (None where they could not tell).
   """
   phase, chosen = int(choice.phase.numpy()), int(choice.chosen.numpy())
   medians = [float(m) for m in choice.medians.numpy()]
   scouted = float(choice.scouted.numpy())
-  dense = phase == PROBING_DENSE or (phase == CHOSEN and chosen == DENSE)
-  return {"exchange": "dense" if dense else "compressed",
+  kind = int(_kind(tf.constant(phase, tf.int64), tf.constant(chosen, tf.int64)))
+  return {"exchange": KIND_NAMES[kind],
           "phase": {PROBING_COMPRESSED: "probing compressed", PROBING_DENSE: "probing dense",
-                    CHOSEN: "chosen"}[phase],
+                    PROBING_BF16: "probing bf16", CHOSEN: "chosen"}[phase],
           "compressed_step_seconds": medians[0] or None,
           "dense_step_seconds": medians[1] or None,
+          "bf16_step_seconds": float(choice.bf16_median.numpy()) or None,
           "scouted_dense_seconds": scouted or None}
