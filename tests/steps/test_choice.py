@@ -100,9 +100,10 @@ def test_near_a_tie_dense_wins_and_outliers_do_not_decide():
 
 
 def test_bf16_is_probed_after_dense_and_chosen_where_it_is_the_fastest():
+  # Ahead, bf16 is chosen once the compressed exchange is probed again (confirming).
   choice = _choice(bf16=True)
-  modes = _drive(choice, 3 * PHASE + 5, compressed_s=0.030, dense_s=0.020, bf16_s=0.015)
-  assert modes == "c" * PHASE + "d" * PHASE + "b" * PHASE + "b" * 5
+  modes = _drive(choice, 4 * PHASE + 5, compressed_s=0.030, dense_s=0.020, bf16_s=0.015)
+  assert modes == "c" * PHASE + "d" * PHASE + "b" * PHASE + "c" * PHASE + "b" * 5
   described = choice_lib.describe(choice)
   assert described["exchange"] == "bf16" and described["phase"] == "chosen"
   assert described["compressed_step_seconds"] == pytest.approx(0.030)
@@ -120,9 +121,23 @@ def test_bf16_is_probed_after_dense_and_chosen_where_it_is_the_fastest():
 def test_the_fastest_of_three_wins_and_near_dense_the_exact_one(compressed_s, dense_s,
                                                                 bf16_s, chosen):
   choice = _choice(bf16=True)
-  modes = _drive(choice, 3 * PHASE + 3, compressed_s=compressed_s, dense_s=dense_s,
-                 bf16_s=bf16_s)
-  assert modes == "c" * PHASE + "d" * PHASE + "b" * PHASE + chosen * 3
+  confirming = "c" * PHASE if chosen == "b" else ""  # bf16 ahead: compressed again
+  modes = _drive(choice, 3 * PHASE + len(confirming) + 3, compressed_s=compressed_s,
+                 dense_s=dense_s, bf16_s=bf16_s)
+  assert modes == "c" * PHASE + "d" * PHASE + "b" * PHASE + confirming + chosen * 3
+
+
+def test_a_compressed_probe_slowed_by_its_place_is_confirmed_before_bf16_wins():
+  # The compressed exchange's first probe 30 ms a step (the run's first steps), then
+  # 12 ms: bf16 (15 ms) looks faster, the confirming probe finds compressed faster.
+  choice = _choice(bf16=True)
+  compressed = lambda k: 0.030 if k < PHASE else 0.012  # noqa: E731
+  modes = _drive(choice, 4 * PHASE + 3, compressed_s=compressed, dense_s=0.020,
+                 bf16_s=0.015)
+  assert modes == "c" * PHASE + "d" * PHASE + "b" * PHASE + "c" * PHASE + "ccc"
+  described = choice_lib.describe(choice)
+  assert described["exchange"] == "compressed" and described["phase"] == "chosen"
+  assert described["compressed_step_seconds"] == pytest.approx(0.012)
 
 
 @pytest.mark.parametrize("bf16_s,bf16_steps", [(0.041, 1), (0.021, 2), (0.019, PHASE)])
@@ -150,13 +165,14 @@ def test_no_bf16_probe_where_dense_lost_clearly():
   assert modes == "c" * (PHASE + 3)
 
 
-def test_three_probes_come_back_as_late_as_their_cost_says():
-  # bf16 chosen (5 ms): the compressed probe's 10 steps cost 5 ms each over it, the
-  # dense probe's 10 steps 10 ms each: 30 bf16 steps of extra time, 2% of 1,500.
+def test_the_probes_come_back_as_late_as_their_cost_says():
+  # bf16 chosen (5 ms): the two compressed probes' 20 steps cost 5 ms each over it, the
+  # dense probe's 10 steps 10 ms each: 40 bf16 steps of extra time, 2% of 2,000.
   choice = _choice(bf16=True)
-  _drive(choice, 3 * PHASE + 1, compressed_s=0.010, dense_s=0.015, bf16_s=0.005)
+  _drive(choice, 4 * PHASE + 1, compressed_s=0.010, dense_s=0.015, bf16_s=0.005)
+  assert choice_lib.describe(choice)["exchange"] == "bf16"
   assert choice_lib.describe(choice)["phase"] == "chosen"
-  assert abs(int(choice.recheck.numpy()) - 1500) <= 1
+  assert abs(int(choice.recheck.numpy()) - 2000) <= 1
 
 
 def test_the_choice_changes_when_the_costs_do():
@@ -568,11 +584,14 @@ def test_adams_dense_exchange_keeps_each_replicas_own_moments(full_dense_probes)
     assert not np.array_equal(first, second)
 
 
-def test_compression_stats_logs_each_decision(full_dense_probes, caplog):
+def test_compression_stats_logs_each_decision(full_dense_probes, caplog, monkeypatch):
   del full_dense_probes
+  # No probe after the decision: the last line is the choice the run ends with.
+  monkeypatch.setattr(choice_lib, "RECHECK", 100)
+  monkeypatch.setattr(choice_lib, "RECHECK_MAX", 100)
   with caplog.at_level(logging.INFO, logger="tf_adacomp"):
     _, optimizer, steps = _fit(lambda: tf_adacomp.CompressedOptimizer(
-        keras.optimizers.SGD(0.05), dense_when_faster=True), steps=12,
+        keras.optimizers.SGD(0.05), dense_when_faster=True), steps=16,
         callbacks=[tf_adacomp.CompressionStats()])
   lines = [r.getMessage() for r in caplog.records if "dense_when_faster" in r.getMessage()]
   assert lines, steps.modes

@@ -34,7 +34,10 @@ devices, so the wrapper measures it on the cluster it runs on, in the training i
    the ``"bf16"`` compressor). Where dense's probe ended early or was skipped, so is
    bf16's: its step is at least half of dense's (the same compute, half the transfer),
    more than the compressed step. It ends early as dense's does, measured against the
-   faster of the two probed before.
+   faster of the two probed before. Where bf16 comes out ahead, the compressed exchange
+   is probed once more (**confirming**, no scouts) before the decision: probed first,
+   its periods were the run's first or came right after the last choice's, and those
+   are longer.
 4. **Decide**: the medians (robust to an evaluation or a checkpoint between two steps)
    averaged over the replicas in one all-reduce, so that every replica decides the
    same. A lossy exchange (compressed or bf16, the faster of the two; bf16 on a tie)
@@ -80,7 +83,7 @@ RECHECK_MAX = 10_000
 PROBE_SHARE = 0.02  # the most a probe's extra time may be of the time between probes
 
 # Phases (the variable ``phase``; bf16's probe came last, and its number with it).
-PROBING_COMPRESSED, PROBING_DENSE, CHOSEN, PROBING_BF16 = 0, 1, 2, 3
+PROBING_COMPRESSED, PROBING_DENSE, CHOSEN, PROBING_BF16, CONFIRMING_COMPRESSED = 0, 1, 2, 3, 4
 # ``chosen``: what the last decision chose (NONE, the variables' zeros, before any).
 NONE, COMPRESSED, DENSE, BF16 = 0, 1, 2, 3
 # An exchange's kind (what the schedule returns, and the branch the step takes).
@@ -221,7 +224,9 @@ class Choice:
     """The schedule's step between probes: one more exchange of the chosen kind."""
     del now  # no period is recorded between probes
     with tf.control_dependencies([self.count.assign_add(1)]):
-      return _kind(tf.constant(CHOSEN, tf.int64), tf.convert_to_tensor(self.chosen))
+      # One gather (the step's only op here besides the count): the kind by ``chosen``.
+      return tf.gather(tf.constant([KIND_COMPRESSED, KIND_COMPRESSED, KIND_DENSE, KIND_BF16]),
+                       tf.convert_to_tensor(self.chosen))
 
   def _move(self, now, scout_bytes):
     """``_schedule`` where a probe runs, or the next begins."""
@@ -233,9 +238,10 @@ class Choice:
     slot = count - 1 - SETTLE
     probing = tf.not_equal(phase, CHOSEN)
     counted = probing & (slot >= 0) & (slot < PROBE) & (last > 0.0)
-    # The periods' rows: compressed, dense, bf16.
+    # The periods' rows: compressed (the confirming probe's too), dense, bf16.
     row = tf.where(tf.equal(phase, PROBING_BF16), tf.constant(2, tf.int64),
-                   tf.minimum(phase, 1))
+                   tf.where(tf.equal(phase, PROBING_DENSE), tf.constant(1, tf.int64),
+                            tf.constant(0, tf.int64)))
     periods = tf.concat([tf.convert_to_tensor(self.periods),
                          tf.convert_to_tensor(self.bf16_periods)[tf.newaxis]], 0)
     index = tf.stack([row, tf.clip_by_value(slot, 0, PROBE - 1)])
@@ -249,6 +255,8 @@ class Choice:
     early_bf16 = {k: bf16_probe & tf.equal(count, k) for k in EARLY_FACTORS}
     full_dense = tf.equal(phase, PROBING_DENSE) & tf.equal(count, full)
     full_bf16 = tf.equal(phase, PROBING_BF16) & tf.equal(count, full)
+    confirming = tf.equal(phase, CONFIRMING_COMPRESSED)
+    full_confirming = confirming & tf.equal(count, full)
     to_dense_probe = tf.equal(phase, PROBING_COMPRESSED) & tf.equal(count, full)
     # A whole dense probe goes on to bf16's (where it is a candidate); nothing is
     # decided there.
@@ -257,10 +265,12 @@ class Choice:
     # The replicas' mean of [the compressed median, dense's (its first period or median,
     # or the scout's estimate of a dense exchange), bf16's (its first periods or median;
     # 0: not probed)].
-    dense_time = tf.where(full_dense | tf.equal(phase, PROBING_BF16), medians[1],
+    dense_time = tf.where(full_dense | tf.equal(phase, PROBING_BF16) | confirming, medians[1],
                           tf.where(to_dense_probe, scouted, period))
-    bf16_time = tf.where(full_bf16, medians[2], tf.where(bf16_probe, period, 0.0))
-    measuring = [to_dense_probe, full_bf16, *early_dense.values(), *early_bf16.values()]
+    bf16_time = tf.where(full_bf16 | confirming, medians[2],
+                         tf.where(bf16_probe, period, 0.0))
+    measuring = [to_dense_probe, full_bf16, full_confirming, *early_dense.values(),
+                 *early_bf16.values()]
     if not self.bf16:
       measuring.append(full_dense)
     measured = replica_steps.cond_on_every_replica(
@@ -270,10 +280,12 @@ class Choice:
     compressed_s, dense_s, bf16_s = measured[0], measured[1], measured[2]
     # A dense exchange alone longer than EARLY_FACTORS[1] compressed periods: no probe.
     skipped = to_dense_probe & (dense_s > EARLY_FACTORS[1] * compressed_s)
-    decided = skipped | full_bf16 | (full_dense & ~to_bf16_probe)
+    decided = skipped | full_confirming | (full_dense & ~to_bf16_probe)
+    bf16_done = full_bf16
     for k, factor in EARLY_FACTORS.items():
-      decided = (decided | (early_dense[k] & (dense_s > factor * compressed_s))
-                 | (early_bf16[k] & (bf16_s > factor * tf.minimum(compressed_s, dense_s))))
+      decided = decided | (early_dense[k] & (dense_s > factor * compressed_s))
+      bf16_done = bf16_done | (early_bf16[k]
+                               & (bf16_s > factor * tf.minimum(compressed_s, dense_s)))
     # The faster lossy exchange (bf16 on a tie; not probed, not a candidate), kept only
     # where it beats dense by the margin. A probe that ended early lost to the one it
     # was measured against: its period exceeds twice that one's.
@@ -284,6 +296,13 @@ class Choice:
                      tf.constant(COMPRESSED, tf.int64))
     new_choice = tf.where(lossy_s < (1.0 - MARGIN) * dense_s, lossy,
                           tf.constant(DENSE, tf.int64))
+    # bf16 ahead: the compressed exchange is probed once more before deciding. Its
+    # first probe ran first, in the run's first steps or right after the last choice,
+    # and such periods are longer (measured: 1.5x the wide MLP's steady compressed
+    # period over 1 Gbit/s, where bf16's, probed 20 exchanges later, was 1.1x its own):
+    # the order alone made bf16 look faster.
+    to_confirm = bf16_done & tf.equal(new_choice, BF16)
+    decided = decided | (bf16_done & ~to_confirm)
     # The same choice again: the next probe comes twice as late (the probes of the
     # slower exchanges cost, and nothing changed).
     new_recheck = tf.where(tf.equal(new_choice, chosen),
@@ -295,7 +314,10 @@ class Choice:
     dense_n = tf.cast(tf.where(tf.equal(phase, PROBING_DENSE) & ~full_dense, count,
                                tf.constant(full, tf.int64)), tf.float64)
     bf16_n = tf.cast(tf.where(full_bf16, tf.constant(full, tf.int64), count), tf.float64)
-    probes = (full * (compressed_s / faster - 1.0) + dense_n * (dense_s / faster - 1.0)
+    compressed_n = tf.where(confirming, tf.constant(2.0 * full, tf.float64),
+                            tf.constant(float(full), tf.float64))
+    probes = (compressed_n * (compressed_s / faster - 1.0)
+              + dense_n * (dense_s / faster - 1.0)
               + tf.where(bf16_probed, bf16_n * (bf16_s / faster - 1.0), 0.0))
     extra = tf.where(skipped,  # the scouts: each a fraction of a dense exchange
                      SETTLE * dense_s / SCOUT_FRACTION / faster, probes)
@@ -306,10 +328,12 @@ class Choice:
     new_phase = tf.where(
         to_dense_probe & ~skipped, tf.constant(PROBING_DENSE, tf.int64),
         tf.where(to_bf16_probe, tf.constant(PROBING_BF16, tf.int64),
-                 tf.where(decided, tf.constant(CHOSEN, tf.int64),
-                          tf.where(to_probe, tf.constant(PROBING_COMPRESSED, tf.int64),
-                                   phase))))
-    moved = to_dense_probe | to_bf16_probe | decided | to_probe
+                 tf.where(to_confirm, tf.constant(CONFIRMING_COMPRESSED, tf.int64),
+                          tf.where(decided, tf.constant(CHOSEN, tf.int64),
+                                   tf.where(to_probe,
+                                            tf.constant(PROBING_COMPRESSED, tf.int64),
+                                            phase)))))
+    moved = to_dense_probe | to_bf16_probe | to_confirm | decided | to_probe
     chosen = tf.where(decided, new_choice, chosen)
     updates = [
         self.periods.assign(periods[:2]),
@@ -494,7 +518,7 @@ def describe(choice):
 
   Returns:
     ``{"exchange": "compressed" | "dense" | "bf16", "phase": "probing compressed" |
-    "probing dense" | "probing bf16" | "chosen", "compressed_step_seconds": ...,
+    "probing dense" | "probing bf16" | "confirming compressed" | "chosen", "compressed_step_seconds": ...,
     "dense_step_seconds": ..., "bf16_step_seconds": ..., "scouted_dense_seconds":
     ...}``: the last exchange's kind and phase, the replicas' median step times at the
     last decision (None before one, and bf16's where it was not probed; where a probe
@@ -508,7 +532,8 @@ def describe(choice):
   kind = int(_kind(tf.constant(phase, tf.int64), tf.constant(chosen, tf.int64)))
   return {"exchange": KIND_NAMES[kind],
           "phase": {PROBING_COMPRESSED: "probing compressed", PROBING_DENSE: "probing dense",
-                    PROBING_BF16: "probing bf16", CHOSEN: "chosen"}[phase],
+                    PROBING_BF16: "probing bf16",
+                    CONFIRMING_COMPRESSED: "confirming compressed", CHOSEN: "chosen"}[phase],
           "compressed_step_seconds": medians[0] or None,
           "dense_step_seconds": medians[1] or None,
           "bf16_step_seconds": float(choice.bf16_median.numpy()) or None,
