@@ -169,9 +169,10 @@ Variant = collections.namedtuple(
 VARIANT_SYNTAX = ("a compressor's suffixes are +gradients or +updates (the exchange), "
                   "+H<steps> (local steps, an integer >= 1), +nesterov (with +H: "
                   "DiLoCo's outer Nesterov SGD), +flat (hierarchical=False), +auto "
-                  "(dense_when_faster=True), +auto32 (dense_when_faster='float32'), +perlog (the logs averaged with one "
-                  "all-reduce per value, the old way) and +steplog (with +H: the logs "
-                  "averaged on every step, not at round ends only), each at most once")
+                  "(dense_when_faster=True), +auto32 (dense_when_faster='float32'), "
+                  "+perlog (the logs averaged with one all-reduce per value, the old "
+                  "way) and +steplog (with +H: the logs averaged on every step, not at "
+                  "round ends only), each at most once")
 
 
 def _read_json(path):

@@ -168,9 +168,10 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
       the dense probe skipped where two scouts of a sixteenth of its bytes estimate a
       dense exchange at over 4 compressed steps, or ended after 1 or 2 exchanges where
       dense is clearly slower, and bf16's with them, or where it is clearly slower than
-      the faster of the two; probed again after 200 exchanges, twice as late each time the same choice wins,
-      and late enough that a probe's slower steps cost at most 2% of the time between
-      probes; at most 10,000). A dense step is Keras' (the gradients summed, one inner
+      the faster of the two; the compressed exchange probed once more where bf16 is
+      ahead; probed again after 200 exchanges, twice as late each time the same choice
+      wins, and late enough that a probe's slower steps cost at most 2% of the time
+      between probes; at most 10,000). A dense step is Keras' (the gradients summed, one inner
       step; the replicas' optimizer states averaged at the first after compressed
       ones) and keeps the residues for later; with ``local_steps`` or a shared moment,
       the exchange is chosen, dense, bf16 or compressed. ``exchange_choice()`` says what
@@ -381,7 +382,8 @@ class CompressedOptimizer(inner_lib.Forwarding, wrapper_stats.Reports,
       before ``build``; else a dict:
       ``"exchange"`` ("compressed", "dense" or "bf16": what the last exchange was;
       before the first, "compressed", the first probe's), ``"phase"`` ("probing
-      compressed", "probing dense", "probing bf16" or "chosen"), and the replicas'
+      compressed", "probing dense", "probing bf16", "confirming compressed" or
+      "chosen"), and the replicas'
       median step times in seconds at the last decision, ``"compressed_step_seconds"``,
       ``"dense_step_seconds"`` and ``"bf16_step_seconds"`` (None before the first, and
       bf16's where it was not probed; where a probe stopped early, its last period;

@@ -45,7 +45,7 @@ devices, so the wrapper measures it on the cluster it runs on, in the training i
    exact exchange wins.
 5. **Run** the choice for ``recheck`` exchanges (``RECHECK`` at first, doubled each time
    the same choice wins again, up to ``RECHECK_MAX``; and long enough that the next
-   probe's steps of the slower exchange cost at most ``PROBE_SHARE`` of the time until
+   probes' steps of the slower exchanges cost at most ``PROBE_SHARE`` of the time until
    then: on a slow link one dense step is worth many compressed ones), then probe
    again: costs drift (another job on the link, a bigger batch late in training).
 
@@ -82,8 +82,9 @@ RECHECK = 200  # exchanges between probes, at first
 RECHECK_MAX = 10_000
 PROBE_SHARE = 0.02  # the most a probe's extra time may be of the time between probes
 
-# Phases (the variable ``phase``; bf16's probe came last, and its number with it).
-PROBING_COMPRESSED, PROBING_DENSE, CHOSEN, PROBING_BF16, CONFIRMING_COMPRESSED = 0, 1, 2, 3, 4
+# Phases (the variable ``phase``; bf16's came later, and their numbers with them).
+PROBING_COMPRESSED, PROBING_DENSE, CHOSEN = 0, 1, 2
+PROBING_BF16, CONFIRMING_COMPRESSED = 3, 4
 # ``chosen``: what the last decision chose (NONE, the variables' zeros, before any).
 NONE, COMPRESSED, DENSE, BF16 = 0, 1, 2, 3
 # An exchange's kind (what the schedule returns, and the branch the step takes).
@@ -225,8 +226,9 @@ class Choice:
     del now  # no period is recorded between probes
     with tf.control_dependencies([self.count.assign_add(1)]):
       # One gather (the step's only op here besides the count): the kind by ``chosen``.
-      return tf.gather(tf.constant([KIND_COMPRESSED, KIND_COMPRESSED, KIND_DENSE, KIND_BF16]),
-                       tf.convert_to_tensor(self.chosen))
+      return tf.gather(
+          tf.constant([KIND_COMPRESSED, KIND_COMPRESSED, KIND_DENSE, KIND_BF16]),
+          tf.convert_to_tensor(self.chosen))
 
   def _move(self, now, scout_bytes):
     """``_schedule`` where a probe runs, or the next begins."""
@@ -265,8 +267,8 @@ class Choice:
     # The replicas' mean of [the compressed median, dense's (its first period or median,
     # or the scout's estimate of a dense exchange), bf16's (its first periods or median;
     # 0: not probed)].
-    dense_time = tf.where(full_dense | tf.equal(phase, PROBING_BF16) | confirming, medians[1],
-                          tf.where(to_dense_probe, scouted, period))
+    dense_time = tf.where(full_dense | tf.equal(phase, PROBING_BF16) | confirming,
+                          medians[1], tf.where(to_dense_probe, scouted, period))
     bf16_time = tf.where(full_bf16 | confirming, medians[2],
                          tf.where(bf16_probe, period, 0.0))
     measuring = [to_dense_probe, full_bf16, full_confirming, *early_dense.values(),
@@ -518,9 +520,9 @@ def describe(choice):
 
   Returns:
     ``{"exchange": "compressed" | "dense" | "bf16", "phase": "probing compressed" |
-    "probing dense" | "probing bf16" | "confirming compressed" | "chosen", "compressed_step_seconds": ...,
-    "dense_step_seconds": ..., "bf16_step_seconds": ..., "scouted_dense_seconds":
-    ...}``: the last exchange's kind and phase, the replicas' median step times at the
+    "probing dense" | "probing bf16" | "confirming compressed" | "chosen",
+    "compressed_step_seconds": ..., "dense_step_seconds": ..., "bf16_step_seconds": ...,
+    "scouted_dense_seconds": ...}``: the last exchange's kind and phase, the replicas' median step times at the
     last decision (None before one, and bf16's where it was not probed; where a probe
     stopped early, its last period; dense's where the scouts skipped its probe, their
     estimate), and the replicas' mean of the last scouts' estimate of a dense exchange
