@@ -100,10 +100,12 @@ def test_near_a_tie_dense_wins_and_outliers_do_not_decide():
 
 
 def test_bf16_is_probed_after_dense_and_chosen_where_it_is_the_fastest():
-  # Ahead, bf16 is chosen once the compressed exchange is probed again (confirming).
+  # Ahead, bf16 is chosen once the compressed and the dense exchange are probed again
+  # (confirming).
   choice = _choice(bf16=True)
-  modes = _drive(choice, 4 * PHASE + 5, compressed_s=0.030, dense_s=0.020, bf16_s=0.015)
-  assert modes == "c" * PHASE + "d" * PHASE + "b" * PHASE + "c" * PHASE + "b" * 5
+  modes = _drive(choice, 5 * PHASE + 5, compressed_s=0.030, dense_s=0.020, bf16_s=0.015)
+  assert modes == ("c" * PHASE + "d" * PHASE + "b" * PHASE + "c" * PHASE + "d" * PHASE
+                   + "b" * 5)
   described = choice_lib.describe(choice)
   assert described["exchange"] == "bf16" and described["phase"] == "chosen"
   assert described["compressed_step_seconds"] == pytest.approx(0.030)
@@ -121,23 +123,29 @@ def test_bf16_is_probed_after_dense_and_chosen_where_it_is_the_fastest():
 def test_the_fastest_of_three_wins_and_near_dense_the_exact_one(compressed_s, dense_s,
                                                                 bf16_s, chosen):
   choice = _choice(bf16=True)
-  confirming = "c" * PHASE if chosen == "b" else ""  # bf16 ahead: compressed again
+  confirming = "c" * PHASE + "d" * PHASE if chosen == "b" else ""  # bf16 ahead
   modes = _drive(choice, 3 * PHASE + len(confirming) + 3, compressed_s=compressed_s,
                  dense_s=dense_s, bf16_s=bf16_s)
   assert modes == "c" * PHASE + "d" * PHASE + "b" * PHASE + confirming + chosen * 3
 
 
-def test_a_compressed_probe_slowed_by_its_place_is_confirmed_before_bf16_wins():
-  # The compressed exchange's first probe 30 ms a step (the run's first steps), then
-  # 12 ms: bf16 (15 ms) looks faster, the confirming probe finds compressed faster.
+@pytest.mark.parametrize("slowed,chosen", [("c", "c"), ("d", "d")])
+def test_a_probe_slowed_by_its_place_is_confirmed_before_bf16_wins(slowed, chosen):
+  # The first probe of compressed (or dense) 30 ms a step (the run's first steps), then
+  # 12 ms: bf16 (15 ms) looks faster, the confirming probes find the other faster.
   choice = _choice(bf16=True)
-  compressed = lambda k: 0.030 if k < PHASE else 0.012  # noqa: E731
-  modes = _drive(choice, 4 * PHASE + 3, compressed_s=compressed, dense_s=0.020,
-                 bf16_s=0.015)
-  assert modes == "c" * PHASE + "d" * PHASE + "b" * PHASE + "c" * PHASE + "ccc"
+  first, later = (0, PHASE) if slowed == "c" else (PHASE, 2 * PHASE)
+  slow = lambda k: 0.030 if first <= k < later else 0.012  # noqa: E731
+  other = 0.020 if slowed == "c" else 0.025
+  modes = _drive(choice, 5 * PHASE + 3, compressed_s=slow if slowed == "c" else other,
+                 dense_s=slow if slowed == "d" else other, bf16_s=0.015)
+  assert modes == ("c" * PHASE + "d" * PHASE + "b" * PHASE + "c" * PHASE + "d" * PHASE
+                   + chosen * 3)
   described = choice_lib.describe(choice)
-  assert described["exchange"] == "compressed" and described["phase"] == "chosen"
-  assert described["compressed_step_seconds"] == pytest.approx(0.012)
+  assert described["exchange"] == {"c": "compressed", "d": "dense"}[chosen]
+  assert described["phase"] == "chosen"
+  assert described[{"c": "compressed", "d": "dense"}[slowed] + "_step_seconds"] == (
+      pytest.approx(0.012))
 
 
 @pytest.mark.parametrize("bf16_s,bf16_steps", [(0.041, 1), (0.021, 2), (0.019, PHASE)])
@@ -167,12 +175,12 @@ def test_no_bf16_probe_where_dense_lost_clearly():
 
 def test_the_probes_come_back_as_late_as_their_cost_says():
   # bf16 chosen (5 ms): the two compressed probes' 20 steps cost 5 ms each over it, the
-  # dense probe's 10 steps 10 ms each: 40 bf16 steps of extra time, 2% of 2,000.
+  # two dense probes' 20 steps 10 ms each: 60 bf16 steps of extra time, 2% of 3,000.
   choice = _choice(bf16=True)
-  _drive(choice, 4 * PHASE + 1, compressed_s=0.010, dense_s=0.015, bf16_s=0.005)
+  _drive(choice, 5 * PHASE + 1, compressed_s=0.010, dense_s=0.015, bf16_s=0.005)
   assert choice_lib.describe(choice)["exchange"] == "bf16"
   assert choice_lib.describe(choice)["phase"] == "chosen"
-  assert abs(int(choice.recheck.numpy()) - 2000) <= 1
+  assert abs(int(choice.recheck.numpy()) - 3000) <= 1
 
 
 def test_the_choice_changes_when_the_costs_do():
@@ -591,7 +599,7 @@ def test_compression_stats_logs_each_decision(full_dense_probes, caplog, monkeyp
   monkeypatch.setattr(choice_lib, "RECHECK_MAX", 100)
   with caplog.at_level(logging.INFO, logger="tf_adacomp"):
     _, optimizer, steps = _fit(lambda: tf_adacomp.CompressedOptimizer(
-        keras.optimizers.SGD(0.05), dense_when_faster=True), steps=16,
+        keras.optimizers.SGD(0.05), dense_when_faster=True), steps=18,
         callbacks=[tf_adacomp.CompressionStats()])
   lines = [r.getMessage() for r in caplog.records if "dense_when_faster" in r.getMessage()]
   assert lines, steps.modes

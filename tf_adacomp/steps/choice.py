@@ -35,9 +35,10 @@ devices, so the wrapper measures it on the cluster it runs on, in the training i
    bf16's: its step is at least half of dense's (the same compute, half the transfer),
    more than the compressed step. It ends early as dense's does, measured against the
    faster of the two probed before. Where bf16 comes out ahead, the compressed exchange
-   is probed once more (**confirming**, no scouts) before the decision: probed first,
-   its periods were the run's first or came right after the last choice's, and those
-   are longer.
+   and then the dense one are probed once more (**confirming**, no scouts, no early
+   end) before the decision: probed before bf16's, their periods were among the run's
+   first or came right after the last choice's, and those are longer; probed again,
+   they follow bf16's, and a near tie goes against bf16.
 4. **Decide**: the medians (robust to an evaluation or a checkpoint between two steps)
    averaged over the replicas in one all-reduce, so that every replica decides the
    same. A lossy exchange (compressed or bf16, the faster of the two; bf16 on a tie)
@@ -84,7 +85,7 @@ PROBE_SHARE = 0.02  # the most a probe's extra time may be of the time between p
 
 # Phases (the variable ``phase``; bf16's came later, and their numbers with them).
 PROBING_COMPRESSED, PROBING_DENSE, CHOSEN = 0, 1, 2
-PROBING_BF16, CONFIRMING_COMPRESSED = 3, 4
+PROBING_BF16, CONFIRMING_COMPRESSED, CONFIRMING_DENSE = 3, 4, 5
 # ``chosen``: what the last decision chose (NONE, the variables' zeros, before any).
 NONE, COMPRESSED, DENSE, BF16 = 0, 1, 2, 3
 # An exchange's kind (what the schedule returns, and the branch the step takes).
@@ -240,10 +241,11 @@ class Choice:
     slot = count - 1 - SETTLE
     probing = tf.not_equal(phase, CHOSEN)
     counted = probing & (slot >= 0) & (slot < PROBE) & (last > 0.0)
-    # The periods' rows: compressed (the confirming probe's too), dense, bf16.
+    # The periods' rows: compressed, dense (the confirming probes' too), bf16.
     row = tf.where(tf.equal(phase, PROBING_BF16), tf.constant(2, tf.int64),
-                   tf.where(tf.equal(phase, PROBING_DENSE), tf.constant(1, tf.int64),
-                            tf.constant(0, tf.int64)))
+                   tf.where(tf.equal(phase, PROBING_DENSE)
+                            | tf.equal(phase, CONFIRMING_DENSE),
+                            tf.constant(1, tf.int64), tf.constant(0, tf.int64)))
     periods = tf.concat([tf.convert_to_tensor(self.periods),
                          tf.convert_to_tensor(self.bf16_periods)[tf.newaxis]], 0)
     index = tf.stack([row, tf.clip_by_value(slot, 0, PROBE - 1)])
@@ -257,8 +259,9 @@ class Choice:
     early_bf16 = {k: bf16_probe & tf.equal(count, k) for k in EARLY_FACTORS}
     full_dense = tf.equal(phase, PROBING_DENSE) & tf.equal(count, full)
     full_bf16 = tf.equal(phase, PROBING_BF16) & tf.equal(count, full)
-    confirming = tf.equal(phase, CONFIRMING_COMPRESSED)
-    full_confirming = confirming & tf.equal(count, full)
+    confirming = tf.equal(phase, CONFIRMING_COMPRESSED) | tf.equal(phase, CONFIRMING_DENSE)
+    to_confirm_dense = tf.equal(phase, CONFIRMING_COMPRESSED) & tf.equal(count, full)
+    full_confirming = tf.equal(phase, CONFIRMING_DENSE) & tf.equal(count, full)
     to_dense_probe = tf.equal(phase, PROBING_COMPRESSED) & tf.equal(count, full)
     # A whole dense probe goes on to bf16's (where it is a candidate); nothing is
     # decided there.
@@ -298,11 +301,11 @@ class Choice:
                      tf.constant(COMPRESSED, tf.int64))
     new_choice = tf.where(lossy_s < (1.0 - MARGIN) * dense_s, lossy,
                           tf.constant(DENSE, tf.int64))
-    # bf16 ahead: the compressed exchange is probed once more before deciding. Its
-    # first probe ran first, in the run's first steps or right after the last choice,
-    # and such periods are longer (measured: 1.5x the wide MLP's steady compressed
-    # period over 1 Gbit/s, where bf16's, probed 20 exchanges later, was 1.1x its own):
-    # the order alone made bf16 look faster.
+    # bf16 ahead: the compressed and the dense exchange are probed once more before
+    # deciding. Their probes ran first, in the run's first steps or right after the
+    # last choice, and such periods are longer (measured: 1.5x the wide MLP's steady
+    # compressed period over 1 Gbit/s and 1.26x dense's, where bf16's, probed last, was
+    # 1.1x its own): the order alone made bf16 look faster.
     to_confirm = bf16_done & tf.equal(new_choice, BF16)
     decided = decided | (bf16_done & ~to_confirm)
     # The same choice again: the next probe comes twice as late (the probes of the
@@ -316,8 +319,10 @@ class Choice:
     dense_n = tf.cast(tf.where(tf.equal(phase, PROBING_DENSE) & ~full_dense, count,
                                tf.constant(full, tf.int64)), tf.float64)
     bf16_n = tf.cast(tf.where(full_bf16, tf.constant(full, tf.int64), count), tf.float64)
+    # Each probed twice where confirmed.
     compressed_n = tf.where(confirming, tf.constant(2.0 * full, tf.float64),
                             tf.constant(float(full), tf.float64))
+    dense_n = tf.where(confirming, tf.constant(2.0 * full, tf.float64), dense_n)
     probes = (compressed_n * (compressed_s / faster - 1.0)
               + dense_n * (dense_s / faster - 1.0)
               + tf.where(bf16_probed, bf16_n * (bf16_s / faster - 1.0), 0.0))
@@ -331,11 +336,14 @@ class Choice:
         to_dense_probe & ~skipped, tf.constant(PROBING_DENSE, tf.int64),
         tf.where(to_bf16_probe, tf.constant(PROBING_BF16, tf.int64),
                  tf.where(to_confirm, tf.constant(CONFIRMING_COMPRESSED, tf.int64),
-                          tf.where(decided, tf.constant(CHOSEN, tf.int64),
-                                   tf.where(to_probe,
-                                            tf.constant(PROBING_COMPRESSED, tf.int64),
-                                            phase)))))
-    moved = to_dense_probe | to_bf16_probe | to_confirm | decided | to_probe
+                          tf.where(to_confirm_dense, tf.constant(CONFIRMING_DENSE, tf.int64),
+                                   tf.where(decided, tf.constant(CHOSEN, tf.int64),
+                                            tf.where(to_probe,
+                                                     tf.constant(PROBING_COMPRESSED,
+                                                                 tf.int64),
+                                                     phase))))))
+    moved = (to_dense_probe | to_bf16_probe | to_confirm | to_confirm_dense | decided
+             | to_probe)
     chosen = tf.where(decided, new_choice, chosen)
     updates = [
         self.periods.assign(periods[:2]),
@@ -365,7 +373,8 @@ class Choice:
 def _kind(phase, chosen):
   """The kind (an int32 ``KIND_*``) of an exchange in ``phase`` after the decision
   ``chosen``."""
-  dense = tf.equal(phase, PROBING_DENSE) | (tf.equal(phase, CHOSEN) & tf.equal(chosen, DENSE))
+  dense = (tf.equal(phase, PROBING_DENSE) | tf.equal(phase, CONFIRMING_DENSE)
+           | (tf.equal(phase, CHOSEN) & tf.equal(chosen, DENSE)))
   bf16 = tf.equal(phase, PROBING_BF16) | (tf.equal(phase, CHOSEN) & tf.equal(chosen, BF16))
   return tf.where(dense, KIND_DENSE, tf.where(bf16, KIND_BF16, KIND_COMPRESSED))
 
@@ -520,12 +529,13 @@ def describe(choice):
 
   Returns:
     ``{"exchange": "compressed" | "dense" | "bf16", "phase": "probing compressed" |
-    "probing dense" | "probing bf16" | "confirming compressed" | "chosen",
-    "compressed_step_seconds": ..., "dense_step_seconds": ..., "bf16_step_seconds": ...,
-    "scouted_dense_seconds": ...}``: the last exchange's kind and phase, the replicas' median step times at the
-    last decision (None before one, and bf16's where it was not probed; where a probe
-    stopped early, its last period; dense's where the scouts skipped its probe, their
-    estimate), and the replicas' mean of the last scouts' estimate of a dense exchange
+    "probing dense" | "probing bf16" | "confirming compressed" | "confirming dense" |
+    "chosen", "compressed_step_seconds": ..., "dense_step_seconds": ...,
+    "bf16_step_seconds": ..., "scouted_dense_seconds": ...}``: the last exchange's kind
+    and phase, the replicas' median step times at the last decision (None before one,
+    and bf16's where it was not probed; where a probe stopped early, its last period;
+    dense's where the scouts skipped its probe, their estimate), and the replicas' mean
+    of the last scouts' estimate of a dense exchange
     (None where they could not tell).
   """
   phase, chosen = int(choice.phase.numpy()), int(choice.chosen.numpy())
@@ -535,7 +545,8 @@ def describe(choice):
   return {"exchange": KIND_NAMES[kind],
           "phase": {PROBING_COMPRESSED: "probing compressed", PROBING_DENSE: "probing dense",
                     PROBING_BF16: "probing bf16",
-                    CONFIRMING_COMPRESSED: "confirming compressed", CHOSEN: "chosen"}[phase],
+                    CONFIRMING_COMPRESSED: "confirming compressed",
+                    CONFIRMING_DENSE: "confirming dense", CHOSEN: "chosen"}[phase],
           "compressed_step_seconds": medians[0] or None,
           "dense_step_seconds": medians[1] or None,
           "bf16_step_seconds": float(choice.bf16_median.numpy()) or None,
