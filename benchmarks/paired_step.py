@@ -11,7 +11,8 @@ falls on both alike.
 The model is the Fashion-MNIST CNN of ``examples/fashion_mnist.py`` (0.42M parameters)
 on random images of its shape (the step's time does not depend on the values), global
 batch 128, SGD 0.05 with momentum 0.9; the default optimizer is
-``CompressedOptimizer(SGD(...), compressor=--compressor)`` with nothing else set. Both
+``CompressedOptimizer(SGD(...), compressor=--compressor)`` with nothing else set
+(``--dense_when_faster=float32``: that setting, float32 the only dense candidate). Both
 first train ``--warmup_steps`` untimed (compilation; the default's probes, 20
 exchanges), then ``--blocks`` blocks of ``--block_steps`` each, in turn. A step is
 timed from batch begin to batch end.
@@ -41,6 +42,8 @@ def parse_args(argv):
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--replicas", type=int, default=2, help="logical CPU devices")
   parser.add_argument("--compressor", default="adacomp")
+  parser.add_argument("--dense_when_faster", default=None, choices=("float32",),
+                      help="the wrapper's dense_when_faster (default: the library's)")
   parser.add_argument("--model", default="cnn", choices=("cnn", "mlp"))
   parser.add_argument("--local_steps", type=int, default=None,
                       help="the wrapper with rounds of this many steps (None: the default)")
@@ -109,7 +112,9 @@ def main(argv=None):
   models = {"dense": compiled(sgd),
             "default": compiled(lambda: tf_adacomp.CompressedOptimizer(
                 sgd(), compressor=args.compressor,
-                **({"local_steps": args.local_steps} if args.local_steps else {})))}
+                **({"local_steps": args.local_steps} if args.local_steps else {}),
+                **({"dense_when_faster": args.dense_when_faster}
+                   if args.dense_when_faster else {})))}
   times = {name: StepTimes() for name in models}
   for model in models.values():
     model.fit(data, steps_per_epoch=args.warmup_steps, epochs=1, verbose=0)

@@ -172,9 +172,11 @@ class Choice:
       sums, nbytes = _dense_sums(tf.distribute.get_replica_context(), own_values, bf16)
       return sums, [tuple(tf.identity(s) for s in state) for state in own_states], nbytes
 
+    branches = [run_compressed, run_dense]
+    if self.bf16:  # only where it is a candidate: every branch is in the graph
+      branches.append(lambda own: run_dense(own, bf16=True))
     sums, new_states, nbytes = replica_steps.switch_on_every_replica(
-        kind, [run_compressed, run_dense, lambda own: run_dense(own, bf16=True)],
-        (dense_values, [tuple(states[k]) for k in present]))
+        kind, branches, (dense_values, [tuple(states[k]) for k in present]))
     # The scout's bytes counted with the first value's, as dense ones are.
     nbytes = list(nbytes)
     nbytes[0] += tf.where(scout, tf.constant(_scout_sent(scout_bytes), tf.int64),
@@ -447,15 +449,17 @@ class ChosenStep:
       guard.record_bytes([indices[k] for k in present], nbytes)
       return tf.constant(0)
 
-    # Branches: compressed; dense, then with the state averaged first; bf16, the same.
+    # Branches: compressed; dense, then with the state averaged first; bf16, the same,
+    # only where it is a candidate (every branch is in the step's graph, run or not).
     sync = tf.logical_not(last_dense) if self.per_replica else tf.constant(False)
     branch = tf.where(tf.equal(kind, KIND_COMPRESSED), 0,
                       2 * kind - 1 + tf.cast(sync, tf.int32))  # int32
-    done = replica_steps.switch_on_every_replica(
-        branch, [run_compressed, run_dense, lambda own: run_dense(own, sync=True),
-                 lambda own: run_dense(own, bf16=True),
-                 lambda own: run_dense(own, sync=True, bf16=True)],
-        (list(grads), dense_grads))
+    branches = [run_compressed, run_dense, lambda own: run_dense(own, sync=True)]
+    if choice.bf16:
+      branches += [lambda own: run_dense(own, bf16=True),
+                   lambda own: run_dense(own, sync=True, bf16=True)]
+    done = replica_steps.switch_on_every_replica(branch, branches,
+                                                 (list(grads), dense_grads))
     # The scout's bytes (it ran before the exchange) with the first gradient's.
     guard.bytes_sent.assign_add(
         tf.one_hot(indices[present[0]], len(guard.plans), dtype=tf.int64)
