@@ -381,6 +381,13 @@ def _kind(phase, chosen):
   return tf.where(dense, KIND_DENSE, tf.where(bf16, KIND_BF16, KIND_COMPRESSED))
 
 
+def _dense_sums_of(values, bf16):
+  """``_dense_sums`` in this replica's context, the bytes as int64 tensors (the same
+  structure from either branch of a condition on ``bf16``)."""
+  sums, nbytes = _dense_sums(tf.distribute.get_replica_context(), values, bf16)
+  return sums, [tf.cast(b, tf.int64) for b in nbytes]
+
+
 def _dense_sums(ctx, values, bf16):
   """``values`` summed over the replicas (one all-reduce per dtype; with ``bf16`` the
   float32 ones cast to bfloat16 for it, and back) and the bytes each sent."""
@@ -430,36 +437,44 @@ class ChosenStep:
     kind, scout, scout_bytes = choice._begin(dense_grads)  # pylint: disable=protected-access
     last_dense = tf.equal(tf.convert_to_tensor(choice.last_dense), 1)
 
-    # Each replica's gradients go through the arguments (switch_on_every_replica).
+    # Each replica's gradients (and the flags below) go through the arguments
+    # (switch_on_every_replica).
     def run_compressed(own):
       self.step(list(own[0]), variables, indices, dense)
       return tf.constant(0)
 
-    def run_dense(own, sync=False, bf16=False):
-      ctx = tf.distribute.get_replica_context()
-      if sync:
-        _average_state(ctx, self.inner.optimizer)
+    def run_dense(own):
+      _, own_grads, sync, bf16 = own
+      if self.per_replica:
+        replica_steps.on_every_replica_if(
+            sync, lambda _: _average_state(tf.distribute.get_replica_context(),
+                                           self.inner.optimizer), ())
       # Each replica's own mean gradient clipped to local_clipnorm first, as both
       # exchanges clip it.
-      own_grads = self.inner.clip(list(own[1]), ctx.num_replicas_in_sync)
-      sums, nbytes = _dense_sums(ctx, own_grads, bf16)
+      own_grads = self.inner.clip(list(own_grads),
+                                  tf.distribute.get_replica_context().num_replicas_in_sync)
+      if choice.bf16:
+        sums, nbytes = replica_steps.cond_on_every_replica(
+            bf16, lambda g: _dense_sums_of(g, True), lambda g: _dense_sums_of(g, False),
+            own_grads)
+      else:
+        sums, nbytes = _dense_sums_of(own_grads, False)
       finite = fused.all_finite(sums)  # the same sums, the same flag, on every replica
       stepping = [variables[k] for k in present]
       guard.on_every_replica_if(finite, lambda s: self.inner.step(list(s), stepping), sums)
       guard.record_bytes([indices[k] for k in present], nbytes)
       return tf.constant(0)
 
-    # Branches: compressed; dense, then with the state averaged first; bf16, the same,
-    # only where it is a candidate (every branch is in the step's graph, run or not).
+    # Two branches, compressed and dense: the state's averaging and bf16's cast are
+    # conditions inside the dense one. Every branch is in the step's graph, and
+    # TensorFlow runs the nodes of the branches not taken too (as dead ones, each at a
+    # cost): a branch per variant of the dense step made the chosen dense step
+    # measurably slower than Keras' on one host (docs/performance.md, "Dead branches").
     sync = tf.logical_not(last_dense) if self.per_replica else tf.constant(False)
-    branch = tf.where(tf.equal(kind, KIND_COMPRESSED), 0,
-                      2 * kind - 1 + tf.cast(sync, tf.int32))  # int32
-    branches = [run_compressed, run_dense, lambda own: run_dense(own, sync=True)]
-    if choice.bf16:
-      branches += [lambda own: run_dense(own, bf16=True),
-                   lambda own: run_dense(own, sync=True, bf16=True)]
-    done = replica_steps.switch_on_every_replica(branch, branches,
-                                                 (list(grads), dense_grads))
+    is_bf16 = tf.equal(kind, KIND_BF16)
+    done = replica_steps.switch_on_every_replica(
+        tf.cast(tf.not_equal(kind, KIND_COMPRESSED), tf.int32), [run_compressed, run_dense],
+        (list(grads), dense_grads, sync, is_bf16))
     # The scout's bytes (it ran before the exchange) with the first gradient's.
     guard.bytes_sent.assign_add(
         tf.one_hot(indices[present[0]], len(guard.plans), dtype=tf.int64)
