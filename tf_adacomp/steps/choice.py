@@ -466,10 +466,9 @@ class ChosenStep:
       return tf.constant(0)
 
     # Two branches, compressed and dense: the state's averaging and bf16's cast are
-    # conditions inside the dense one. Every branch is in the step's graph, and
-    # TensorFlow runs the nodes of the branches not taken too (as dead ones, each at a
-    # cost): a branch per variant of the dense step made the chosen dense step
-    # measurably slower than Keras' on one host (docs/performance.md, "Dead branches").
+    # conditions inside the dense one. A branch per variant of the dense step made the
+    # chosen dense step measurably slower than Keras' on one host (docs/performance.md,
+    # "The chosen dense step on one host").
     sync = tf.logical_not(last_dense) if self.per_replica else tf.constant(False)
     is_bf16 = tf.equal(kind, KIND_BF16)
     done = replica_steps.switch_on_every_replica(
