@@ -381,13 +381,6 @@ def _kind(phase, chosen):
   return tf.where(dense, KIND_DENSE, tf.where(bf16, KIND_BF16, KIND_COMPRESSED))
 
 
-def _dense_sums_of(values, bf16):
-  """``_dense_sums`` in this replica's context, the bytes as int64 tensors (the same
-  structure from either branch of a condition on ``bf16``)."""
-  sums, nbytes = _dense_sums(tf.distribute.get_replica_context(), values, bf16)
-  return sums, [tf.cast(b, tf.int64) for b in nbytes]
-
-
 def _dense_sums(ctx, values, bf16):
   """``values`` summed over the replicas (one all-reduce per dtype; with ``bf16`` the
   float32 ones cast to bfloat16 for it, and back) and the bytes each sent."""
@@ -451,14 +444,14 @@ class ChosenStep:
                                            self.inner.optimizer), ())
       # Each replica's own mean gradient clipped to local_clipnorm first, as both
       # exchanges clip it.
-      own_grads = self.inner.clip(list(own_grads),
-                                  tf.distribute.get_replica_context().num_replicas_in_sync)
-      if choice.bf16:
+      ctx = tf.distribute.get_replica_context()
+      own_grads = self.inner.clip(list(own_grads), ctx.num_replicas_in_sync)
+      if choice.bf16:  # in every replica's own context (cond_on_every_replica)
         sums, nbytes = replica_steps.cond_on_every_replica(
-            bf16, lambda g: _dense_sums_of(g, True), lambda g: _dense_sums_of(g, False),
-            own_grads)
+            bf16, lambda g: _dense_sums(tf.distribute.get_replica_context(), g, True),
+            lambda g: _dense_sums(tf.distribute.get_replica_context(), g, False), own_grads)
       else:
-        sums, nbytes = _dense_sums_of(own_grads, False)
+        sums, nbytes = _dense_sums(ctx, own_grads, False)
       finite = fused.all_finite(sums)  # the same sums, the same flag, on every replica
       stepping = [variables[k] for k in present]
       guard.on_every_replica_if(finite, lambda s: self.inner.step(list(s), stepping), sums)
@@ -553,8 +546,7 @@ def describe(choice):
     and phase, the replicas' median step times at the last decision (None before one,
     and bf16's where it was not probed; where a probe stopped early, its last period;
     dense's where the scouts skipped its probe, their estimate), and the replicas' mean
-    of the last scouts' estimate of a dense exchange
-    (None where they could not tell).
+    of the last scouts' estimate of a dense exchange (None where they could not tell).
   """
   phase, chosen = int(choice.phase.numpy()), int(choice.chosen.numpy())
   medians = [float(m) for m in choice.medians.numpy()]
