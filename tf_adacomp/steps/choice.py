@@ -156,9 +156,10 @@ class Choice:
     dense_values = [engine_lib.densified(values[k], plans[k]) for k in present]
     kind, scout, scout_bytes = self._begin(dense_values)
 
-    # Each replica's values and states go through the arguments (switch_on_every_replica).
+    # Each replica's values and states (and bf16's flag) go through the arguments
+    # (switch_on_every_replica).
     def run_compressed(own):
-      own_values, own_states = own
+      own_values, own_states, _ = own
       full_values, full_states = [None] * len(values), list(states)
       for j, k in enumerate(present):
         full_values[k], full_states[k] = own_values[j], own_states[j]
@@ -167,16 +168,22 @@ class Choice:
               [tuple(exchanged.states[k]) for k in present],
               [tf.cast(exchanged.nbytes[k], tf.int64) for k in present])
 
-    def run_dense(own, bf16=False):
-      own_values, own_states = own
-      sums, nbytes = _dense_sums(tf.distribute.get_replica_context(), own_values, bf16)
+    def run_dense(own):
+      own_values, own_states, bf16 = own
+      if self.bf16:  # in every replica's own context (cond_on_every_replica)
+        sums, nbytes = replica_steps.cond_on_every_replica(
+            bf16, lambda v: _dense_sums(tf.distribute.get_replica_context(), v, True),
+            lambda v: _dense_sums(tf.distribute.get_replica_context(), v, False),
+            own_values)
+      else:
+        sums, nbytes = _dense_sums(tf.distribute.get_replica_context(), own_values, False)
       return sums, [tuple(tf.identity(s) for s in state) for state in own_states], nbytes
 
-    branches = [run_compressed, run_dense]
-    if self.bf16:  # only where it is a candidate: every branch is in the graph
-      branches.append(lambda own: run_dense(own, bf16=True))
+    # Two branches, compressed and dense, bf16's cast a condition inside the dense one,
+    # as in ChosenStep (a branch per variant cost the chosen dense step on one host).
     sums, new_states, nbytes = replica_steps.switch_on_every_replica(
-        kind, branches, (dense_values, [tuple(states[k]) for k in present]))
+        tf.cast(tf.not_equal(kind, KIND_COMPRESSED), tf.int32), [run_compressed, run_dense],
+        (dense_values, [tuple(states[k]) for k in present], tf.equal(kind, KIND_BF16)))
     # The scout's bytes counted with the first value's, as dense ones are.
     nbytes = list(nbytes)
     nbytes[0] += tf.where(scout, tf.constant(_scout_sent(scout_bytes), tf.int64),
