@@ -179,8 +179,9 @@ class Choice:
         sums, nbytes = _dense_sums(tf.distribute.get_replica_context(), own_values, False)
       return sums, [tuple(tf.identity(s) for s in state) for state in own_states], nbytes
 
-    # Two branches, compressed and dense, bf16's cast a condition inside the dense one,
-    # as in ChosenStep (a branch per variant cost the chosen dense step on one host).
+    # Two branches, compressed and dense, bf16's cast a condition inside the dense one:
+    # ChosenStep's shape (there a branch per variant cost the chosen dense step on one
+    # host; a round's end measured the same either way, docs/performance.md).
     sums, new_states, nbytes = replica_steps.switch_on_every_replica(
         tf.cast(tf.not_equal(kind, KIND_COMPRESSED), tf.int32), [run_compressed, run_dense],
         (dense_values, [tuple(states[k]) for k in present], tf.equal(kind, KIND_BF16)))
